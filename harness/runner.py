@@ -1,0 +1,159 @@
+"""Resolve an experiment into its grid of cells, validate every cell cheaply, then hand it to its experiment kind."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from harness.assets import AssetError
+from harness.schema import SystemConfig, TaskConfig
+from systems.registry import SystemConfigError, check_system
+from tasks.base import TaskError, load_task
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+class UserError(Exception):
+    """Anything the user can fix by changing the command line or the config."""
+
+
+USER_ERRORS = (TaskError, SystemConfigError, AssetError, OmegaConfBaseException, UserError)
+
+
+def load_group(group: str, name: str, schema: type) -> DictConfig:
+    """conf/<group>/<name>.yaml merged onto its schema (typos and wrong types fail here)."""
+    path = CONF_DIR / group / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        raise UserError(f"unknown {group} {name!r}; choose one of {choices} (files in conf/{group}/)")
+    return OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path))
+
+
+@dataclass
+class Cell:
+    """One (system, task) pair of an experiment, with the fully resolved config that makes it."""
+
+    system: DictConfig
+    task: DictConfig
+    key: str
+
+    def resolved(self, cfg: DictConfig) -> DictConfig:
+        return OmegaConf.create({"model": cfg.model, "system": self.system, "task": self.task, "exp": cfg.exp,
+                                 "seed": cfg.seed})
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def cell_key(system: DictConfig, task: DictConfig, sys_default: DictConfig, task_default: DictConfig) -> str:
+    """`<system>__<task>` plus the values that differ from the group files' defaults."""
+    diffs = []
+    for cur, base, tag in ((system, sys_default, "sys"), (task, task_default, "task")):
+        a, b = _flat(OmegaConf.to_container(cur)), _flat(OmegaConf.to_container(base))
+        diffs += [f"{k.split('.')[-1]}={a[k]}" for k in sorted(a) if k != "name" and a[k] != b.get(k)]
+    key = f"{system.name}__{task.name}"
+    if diffs:
+        key += "__" + ",".join(diffs)
+    return "".join(c if c.isalnum() or c in "-_=.,+" else "-" for c in key)[:180]
+
+
+def resolve_cells(cfg: DictConfig) -> list[Cell]:
+    hydra_choice = _hydra_choices()
+    systems = ([(load_group("system", n, SystemConfig), load_group("system", n, SystemConfig))
+                for n in cfg.exp.systems] or
+               [(cfg.system, _default_or_self("system", hydra_choice.get("system"), SystemConfig, cfg.system))])
+    tasks = ([(load_group("task", n, TaskConfig), load_group("task", n, TaskConfig)) for n in cfg.exp.tasks] or
+             [(cfg.task, _default_or_self("task", hydra_choice.get("task"), TaskConfig, cfg.task))])
+    for overrides_key, items in (("system_overrides", systems), ("task_overrides", tasks)):
+        extra = cfg.exp.params.get(overrides_key)
+        if extra:
+            for cur, _ in items:
+                cur.merge_with(extra)  # schema-typed: a bad key fails here
+    return [Cell(s, t, cell_key(s, t, sd, td)) for s, sd in systems for t, td in tasks]
+
+
+def _default_or_self(group: str, choice: str | None, schema: type, current: DictConfig) -> DictConfig:
+    """The pristine group file behind `current` (by Hydra's choice, else by matching name), for cell keys."""
+    if choice and (CONF_DIR / group / f"{choice}.yaml").is_file():
+        return load_group(group, choice, schema)
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        if OmegaConf.load(path).get("name") == current.name:
+            return load_group(group, path.stem, schema)
+    return current
+
+
+def _hydra_choices() -> dict:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return dict(HydraConfig.get().runtime.choices)
+    except (ValueError, ImportError):
+        return {}
+
+
+def check_no_extra_keys(node: Any, path: str = "") -> None:
+    """`+key=value` slips past Hydra's struct mode; a key no schema declares is still a typo."""
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        fields = {f.name for f in dataclasses.fields(schema)}
+        extra = sorted(set(node.keys()) - fields)
+        if extra:
+            raise UserError(f"unknown key(s) {[f'{path}{k}' for k in extra]}; valid under "
+                            f"{path.rstrip('.') or 'the root'}: {sorted(fields)}")
+        for k in fields:
+            if k in node and k != "params" and not path.endswith("hydra."):
+                check_no_extra_keys(node._get_node(k), f"{path}{k}.")
+
+
+def validate(cfg: DictConfig, cells: list[Cell]) -> None:
+    """Everything checkable without loading a model, so a typo costs a second, not an hour."""
+    check_no_extra_keys(cfg)
+    if not cells:
+        raise UserError("the experiment has no cells: set exp.systems and exp.tasks")
+    for cell in cells:
+        check_system(cell.system)
+        t = cell.task
+        load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
+                  fraction=t.fraction)
+    if cfg.model.max_input_tokens <= 0 or cfg.model.max_input_tokens >= cfg.model.max_model_len:
+        raise UserError(f"model.max_input_tokens={cfg.model.max_input_tokens} must be in (0, model.max_model_len="
+                        f"{cfg.model.max_model_len})")
+
+
+def run(cfg: DictConfig) -> Any:
+    try:
+        cells = resolve_cells(cfg)
+        validate(cfg, cells)
+        try:
+            experiment = importlib.import_module(f"harness.experiments.{cfg.exp.kind}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"harness.experiments.{cfg.exp.kind}":
+                raise
+            raise UserError(f"unknown exp.kind {cfg.exp.kind!r}: add harness/experiments/{cfg.exp.kind}.py") from None
+        out_dir = Path(cfg.results_dir) / cfg.exp.name
+        return experiment.run(cfg, cells, out_dir)
+    except USER_ERRORS as exc:
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
+
+
+def dump_yaml(node: DictConfig) -> str:
+    return OmegaConf.to_yaml(node, resolve=True)
+
+
+def jsonable(node: DictConfig) -> Any:
+    return json.loads(json.dumps(OmegaConf.to_container(node, resolve=True), default=str))

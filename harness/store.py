@@ -1,0 +1,103 @@
+"""Results on disk: one folder per cell with predictions appended atomically, resumable after any crash.
+
+Layout: results/<exp>/<cell-key>/{predictions.jsonl, metrics.json, config.yaml, env.json}.
+A row is one JSON line written with a single write() and fsync'd, so a crash leaves at most one torn last
+line; opening the cell cuts it off, so a rerun resumes at the first missing sample with no lost or
+duplicated rows. metrics.json (written by temp file + rename) marks the cell complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+PREDICTIONS, METRICS, CONFIG, ENV = "predictions.jsonl", "metrics.json", "config.yaml", "env.json"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary name in the same folder, fsync, rename: readers see old or new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
+
+
+class Cell:
+    """One (system, task, ...) cell's folder."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    @property
+    def predictions_path(self) -> Path:
+        return self.root / PREDICTIONS
+
+    def is_complete(self) -> bool:
+        try:
+            return bool(json.loads((self.root / METRICS).read_text()).get("complete"))
+        except (OSError, ValueError):
+            return False
+
+    def open(self, config_yaml: str, env: dict) -> None:
+        """Create the folder, record how the cell is made, and cut a torn last line from a crash."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.root / CONFIG, config_yaml)
+        atomic_write_json(self.root / ENV, env)
+        self._repair()
+
+    def _repair(self) -> None:
+        path = self.predictions_path
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        keep = data.rfind(b"\n") + 1  # everything after the last newline is a torn write
+        good, seen = [], set()
+        for line in data[:keep].splitlines(keepends=True):
+            try:
+                row_id = json.loads(line)["id"]
+            except (ValueError, KeyError):
+                continue
+            if row_id not in seen:  # a duplicate can only come from a crash between write and bookkeeping
+                seen.add(row_id)
+                good.append(line)
+        fixed = b"".join(good)
+        if fixed != data:
+            tmp = path.with_name(f".{path.name}.repair")
+            tmp.write_bytes(fixed)
+            os.replace(tmp, path)
+
+    def rows(self) -> list[dict]:
+        if not self.predictions_path.exists():
+            return []
+        out = []
+        for line in self.predictions_path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def done_ids(self) -> set[str]:
+        return {r["id"] for r in self.rows()}
+
+    def append(self, rows: Iterable[dict]) -> None:
+        with open(self.predictions_path, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, sort_keys=True, default=str) + "\n")
+                f.flush()
+            os.fsync(f.fileno())
+
+    def write_metrics(self, metrics: dict) -> None:
+        atomic_write_json(self.root / METRICS, {**metrics, "complete": True})
+
+    def metrics(self) -> dict:
+        return json.loads((self.root / METRICS).read_text())

@@ -1,0 +1,81 @@
+"""The contract every system honours: requests in, completions (with token timestamps) and a memory report out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt, already rendered and tokenized by the harness (systems never see tasks)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0          # 0 -> greedy
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()        # stop strings: generation ends and the text is cut before them
+    arrival_time: float | None = None  # perf_counter() when the request arrived; None = at generate() call
+
+
+@dataclass
+class Completion:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    output_tokens: int
+    arrival_time: float                 # perf_counter() clock, same clock as token_times
+    token_times: list[float]            # perf_counter() when each output token became available
+    finish_reason: str = "length"       # "length" | "stop" | "eos"
+    kv_stats: dict[str, Any] = field(default_factory=dict)  # policy-specific realized counts
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        """vLLM convention: (E2EL - TTFT) / (output_tokens - 1), undefined for a single token."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+
+@dataclass
+class MemoryReport:
+    """KV bytes per tier; `mode` is 'physical' unless savings are only masked ('simulated')."""
+
+    mode: str = "physical"
+    device_kv_capacity_bytes: int | None = None
+    device_kv_peak_bytes: int | None = None
+    host_kv_peak_bytes: int | None = None
+    bytes_host_to_device: int = 0
+    bytes_device_to_host: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@runtime_checkable
+class System(Protocol):
+    name: str
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        """Run all requests to completion (batched as the system sees fit); one completion per request, same order."""
+
+    def memory_report(self) -> MemoryReport:
+        """Peak/total KV accounting since construction or the last reset_stats()."""
+
+    def reset_stats(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """Cut `text` before the earliest stop string; returns (text, whether a stop was found)."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)

@@ -1,0 +1,62 @@
+"""Build a System from its config: the one place that maps a backend name to a system class."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+BACKENDS = ("hf", "engine", "vllm")
+
+
+class SystemConfigError(ValueError):
+    """Bad system configuration; the message is one line that names the fix."""
+
+
+def check_policy(policy: str, params: dict) -> None:
+    """The policy module exists and its hyperparameter dataclass accepts `params`."""
+    import dataclasses
+    import importlib
+
+    try:
+        module = importlib.import_module(f"systems.policies.{policy}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"systems.policies.{policy}":
+            raise
+        raise SystemConfigError(f"unknown policy {policy!r}: add systems/policies/{policy}.py or fix system.policy")
+    cls = getattr(module, "POLICY")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise SystemConfigError(f"policy {policy!r}: unknown parameter(s) {unknown}; valid: {sorted(known)}")
+    try:
+        cls(**params)
+    except (TypeError, ValueError) as exc:
+        raise SystemConfigError(f"policy {policy!r}: {exc}") from None
+
+
+def check_system(system_cfg: Any) -> None:
+    """Cheap checks that need no model: run before any expensive work."""
+    if system_cfg.backend not in BACKENDS:
+        raise SystemConfigError(f"system {system_cfg.name!r}: unknown backend {system_cfg.backend!r}; "
+                                f"use one of {list(BACKENDS)}")
+    if system_cfg.batch_size <= 0:
+        raise SystemConfigError(f"system.batch_size must be positive, got {system_cfg.batch_size}")
+    if system_cfg.backend == "engine":
+        check_policy(system_cfg.policy, dict(system_cfg.params))
+    elif system_cfg.policy != "dense":
+        raise SystemConfigError(f"system {system_cfg.name!r}: backend {system_cfg.backend} runs only the dense "
+                                f"policy; use backend=engine for policy {system_cfg.policy!r}")
+
+
+def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any):
+    check_system(system_cfg)
+    if system_cfg.backend == "hf":
+        from systems.hf import HFSystem
+        return HFSystem(str(model_dir), dtype=model_cfg.dtype, name=system_cfg.name,
+                        batch_size=system_cfg.batch_size)
+    if system_cfg.backend == "engine":
+        from systems.engine.system import EngineSystem
+        return EngineSystem(str(model_dir), policy_name=system_cfg.policy, policy_params=dict(system_cfg.params),
+                            engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name)
+    from systems.vllm import VLLMSystem
+    return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
+                      name=system_cfg.name)

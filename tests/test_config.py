@@ -1,0 +1,94 @@
+"""Config composition and validation: typos and wrong types fail with one line, before any work."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from harness.runner import CONF_DIR, UserError, resolve_cells, validate
+from harness.schema import register
+
+ROOT = Path(__file__).resolve().parent.parent
+register()
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_default_composes():
+    cfg = _compose([])
+    assert cfg.system.backend == "hf" and cfg.task.family == "needlebench"
+    cells = resolve_cells(cfg)
+    validate(cfg, cells)
+    assert len(cells) == 1 and cells[0].key.startswith("hf__needlebench_srt")
+
+
+def test_quickstart_exp_composes():
+    cfg = _compose(["+exp=quickstart"])
+    assert cfg.exp.name == "quickstart"
+    cells = resolve_cells(cfg)
+    validate(cfg, cells)
+    assert [c.system.name for c in cells] == ["hf"]
+
+
+def test_cell_key_names_overrides():
+    cfg = _compose(["task.limit=3", "system.batch_size=2"])
+    key = resolve_cells(cfg)[0].key
+    assert "limit=3" in key and "batch_size=2" in key
+
+
+@pytest.mark.parametrize("overrides", [
+    ["system.batchsize=3"],            # misspelled key
+    ["system.batch_size=many"],        # wrong type
+    ["model.max_input_tokens=abc"],
+    ["seed=1.5"],
+])
+def test_schema_rejects(overrides):
+    with pytest.raises(ConfigCompositionException):
+        _compose(overrides)
+
+
+@pytest.mark.parametrize("overrides", [["+system.engine.pagesize=8"], ["+model.dtyp=fp32"], ["+foo=1"]])
+def test_appended_unknown_keys_rejected(overrides):
+    cfg = _compose(overrides)
+    with pytest.raises(UserError, match="unknown key"):
+        validate(cfg, resolve_cells(cfg))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["+task.params.lenghts=[1000]"], "unknown parameter"),
+    (["task.limit=0"], "task.limit"),
+    (["task.family=nosuchfamily"], "unknown task family"),
+    (["system.backend=tpu"], "unknown backend"),
+    (["model.max_input_tokens=9000"], "max_input_tokens"),
+])
+def test_validate_rejects(overrides, needle):
+    cfg = _compose(overrides)
+    with pytest.raises(Exception, match=needle):
+        validate(cfg, resolve_cells(cfg))
+
+
+def test_unknown_exp_group_file():
+    cfg = _compose(["+exp=quickstart", "exp.systems=[nosuch]"])
+    with pytest.raises(UserError, match="unknown system 'nosuch'"):
+        resolve_cells(cfg)
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("task.params.lenghts=[1]", "lenghts"),          # caught at composition
+    ("+task.params.lenghts=[1]", "lenghts"),         # caught by the task's Params dataclass
+    ("system.batch_size=many", "many"),
+    ("system=nosuch", "nosuch"),
+    ("+system.engine.pagesize=8", "pagesize"),
+])
+def test_cli_error_is_one_line_and_nonzero(tmp_path, arg, needle):
+    proc = subprocess.run([sys.executable, "-m", "harness", arg, f"results_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
+    assert not any(tmp_path.iterdir())  # the store is untouched
