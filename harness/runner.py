@@ -81,7 +81,23 @@ def resolve_cells(cfg: DictConfig) -> list[Cell]:
         if extra:
             for cur, _ in items:
                 cur.merge_with(extra)  # schema-typed: a bad key fails here
+    budget = cfg.exp.params.get("budget")
+    if budget is not None:
+        for cur, _ in systems:
+            apply_budget(cur, budget)
     return [Cell(s, t, cell_key(s, t, sd, td)) for s, sd in systems for t, td in tasks]
+
+
+def apply_budget(system: DictConfig, budget: int) -> None:
+    """A shared budget (tokens) for every engine policy that has one; dense systems are left as they are."""
+    if system.backend != "engine":
+        return
+    try:
+        policy = importlib.import_module(f"systems.policies.{system.policy}").POLICY
+    except (ModuleNotFoundError, AttributeError):
+        return  # check_system reports the unknown policy
+    if "budget" in {f.name for f in dataclasses.fields(policy)}:
+        system.params["budget"] = budget
 
 
 def _default_or_self(group: str, choice: str | None, schema: type, current: DictConfig) -> DictConfig:

@@ -95,9 +95,9 @@ def run_cell(cfg: DictConfig, cell: Cell, out_dir: Path, ws: Workspace, progress
     return metrics
 
 
-def run_cells(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> list[dict]:
-    """Run every cell (skipping complete ones) with one progress display; returns each cell's metrics."""
-    ws = Workspace(cfg)
+def plan_cells(cfg: DictConfig, cells: list[Cell], out_dir: Path, ws: Workspace):
+    """Metrics of complete cells, and the pending ones prepared (prompts rendered: bad input fails before any
+    generation) with their count of samples left."""
     results: list[dict | None] = [None] * len(cells)
     pending = []
     for i, cell in enumerate(cells):
@@ -105,19 +105,33 @@ def run_cells(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> list[dict]:
         if store.is_complete():
             results[i] = store.metrics()
         else:
-            prepared = prepare_cell(cfg, cell, ws)  # renders all prompts: bad input fails before any generation
-            pending.append((i, cell, prepared, len(prepared[1]) - len(store.done_ids() & {s.id for s in prepared[1]})))
-    progress = RunProgress(len(cells), sum(p[3] for p in pending), enabled=cfg.progress)
+            prepared = prepare_cell(cfg, cell, ws)
+            left = len({s.id for s in prepared[1]} - store.done_ids())
+            pending.append((i, cell, prepared, left))
+    return results, pending
+
+
+def execute_cells(cfg, cells, results, pending, out_dir: Path, ws: Workspace, progress: RunProgress) -> list[dict]:
+    for i, cell in enumerate(cells):
+        if results[i] is not None:
+            progress.skip_cell(f"{cell.system.name} × {cell.task.name}")
+    for i, cell, prepared, _ in pending:
+        results[i] = run_cell(cfg, cell, out_dir, ws, progress, prepared)
+    return results
+
+
+def run_cells(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> list[dict]:
+    """Run every cell (skipping complete ones) with one progress display; returns each cell's metrics."""
+    ws = Workspace(cfg)
     try:
-        for i, cell in enumerate(cells):
-            if results[i] is not None:
-                progress.skip_cell(f"{cell.system.name} × {cell.task.name}")
-        for i, cell, prepared, _ in pending:
-            results[i] = run_cell(cfg, cell, out_dir, ws, progress, prepared)
+        results, pending = plan_cells(cfg, cells, out_dir, ws)
+        progress = RunProgress(len(cells), sum(p[3] for p in pending), enabled=cfg.progress)
+        try:
+            return execute_cells(cfg, cells, results, pending, out_dir, ws, progress)
+        finally:
+            progress.close()
     finally:
-        progress.close()
         ws.close()
-    return results  # type: ignore[return-value]
 
 
 def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
