@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,12 +135,37 @@ def check_no_extra_keys(node: Any, path: str = "") -> None:
                 check_no_extra_keys(node._get_node(k), f"{path}{k}.")
 
 
+def check_budget(system: DictConfig, model: DictConfig) -> None:
+    """Budget semantics every policy shares: positive, within the context, whole pages where pages are the unit."""
+    params = system.params
+    if "budget" not in params or params["budget"] is None:
+        return
+    budget = params["budget"]
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise UserError(f"system {system.name!r}: params.budget must be a positive integer (tokens), got {budget!r}")
+    if budget > model.max_model_len:
+        raise UserError(f"system {system.name!r}: params.budget={budget} exceeds the context "
+                        f"(model.max_model_len={model.max_model_len}); lower the budget")
+    page = params.get("page_size")
+    if page is not None:
+        if page != system.engine.page_size:
+            raise UserError(f"system {system.name!r}: params.page_size={page} but engine.page_size="
+                            f"{system.engine.page_size}; set them equal")
+        if budget % page:
+            raise UserError(f"system {system.name!r}: page_size={page} does not divide budget={budget}; use a budget "
+                            f"that is a multiple of {page} (e.g. {budget - budget % page or page})")
+
+
 def validate(cfg: DictConfig, cells: list[Cell]) -> None:
     """Everything checkable without loading a model, so a typo costs a second, not an hour."""
     check_no_extra_keys(cfg)
+    if importlib.util.find_spec(f"harness.experiments.{cfg.exp.kind}") is None:
+        kinds = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("[a-z]*.py"))
+        raise UserError(f"unknown exp.kind {cfg.exp.kind!r}; choose one of {kinds} (harness/experiments/)")
     if not cells:
         raise UserError("the experiment has no cells: set exp.systems and exp.tasks")
     for cell in cells:
+        check_budget(cell.system, cfg.model)
         check_system(cell.system)
         t = cell.task
         load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,

@@ -60,3 +60,43 @@ def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any):
     from systems.vllm import VLLMSystem
     return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
                       name=system_cfg.name)
+
+
+class _DimsView:
+    """Just the model dimensions, for asking a policy its admission footprint before any tensor exists."""
+
+    def __init__(self, cfg: dict, page_size: int, max_model_len: int):
+        import torch
+
+        self.page_size, self.num_layers = page_size, cfg["num_hidden_layers"]
+        self.num_q_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_q_heads
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_q_heads
+        self.max_pages = -(-max_model_len // page_size)
+        self.device, self.dtype, self.scale = torch.device("cpu"), torch.float32, self.head_dim ** -0.5
+
+
+def check_capacity(system_cfg: Any, model_dir: Path, dtype_bytes: int, prompt_len: int, max_new_tokens: int,
+                   max_model_len: int) -> None:
+    """Fail before the model loads when the device pool cannot hold even the longest single request."""
+    import json
+
+    if system_cfg.backend != "engine":
+        return
+    from systems.policies import load_policy
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    view = _DimsView(cfg, system_cfg.engine.page_size, max_model_len)
+    policy = load_policy(system_cfg.policy, dict(system_cfg.params))
+    try:
+        policy.bind(view)  # type: ignore[arg-type]
+        need = policy.device_blocks_needed(prompt_len, max_new_tokens)
+    except Exception:  # noqa: BLE001 - a policy whose bind needs real storage is checked by the engine instead
+        return
+    block = 2 * view.page_size * view.head_dim * dtype_bytes
+    have = int(system_cfg.engine.device_memory_gb * 2**30) // block
+    if need > have:
+        gb = need * block / 2**30
+        raise SystemConfigError(f"system {system_cfg.name!r}: a {prompt_len}-token prompt needs {need} device blocks "
+                                f"({gb:.3f} GB) but engine.device_memory_gb={system_cfg.engine.device_memory_gb} holds "
+                                f"{have}; set engine.device_memory_gb >= {gb:.3f}")

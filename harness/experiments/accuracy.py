@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import report
@@ -15,7 +16,8 @@ from harness.prompts import render_all
 from harness.runner import Cell, dump_yaml
 from harness.store import Cell as StoreCell
 from systems.base import GenerationRequest
-from systems.registry import build_system
+from systems.hf import resolve_dtype
+from systems.registry import build_system, check_capacity
 from tasks.base import load_task
 
 
@@ -50,6 +52,10 @@ def prepare_cell(cfg: DictConfig, cell: Cell, ws: Workspace):
                      fraction=t.fraction)
     samples = task.samples(ws.tokenizer)
     prompts = render_all(samples, ws.tokenizer, cfg.model.max_input_tokens, cfg.model.max_model_len)
+    if prompts:
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
+        check_capacity(cell.system, ws.model_dir, 2 if resolve_dtype(cfg.model.dtype) != torch.float32 else 4,
+                       len(prompts[longest]), samples[longest].max_new_tokens, cfg.model.max_model_len)
     return task, samples, prompts
 
 
