@@ -1,6 +1,7 @@
 """Resolve an experiment into its grid of cells, validate every cell cheaply, then hand it to its experiment kind."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import importlib.util
@@ -86,7 +87,26 @@ def resolve_cells(cfg: DictConfig) -> list[Cell]:
     if budget is not None:
         for cur, _ in systems:
             apply_budget(cur, budget)
-    return [Cell(s, t, cell_key(s, t, sd, td)) for s, sd in systems for t, td in tasks]
+    cells = []
+    for s, sd in systems:
+        for t, td in tasks:
+            system = copy.deepcopy(s)
+            key = cell_key(system, t, sd, td)  # the held-out task is the cell's own task: already in the key
+            hold_out(system, t.name)
+            cells.append(Cell(system, t, key))
+    return cells
+
+
+def hold_out(system: DictConfig, task_name: str) -> None:
+    """Leave-one-out for profiled policies: a task is never evaluated with a profile made on itself."""
+    if system.backend != "engine":
+        return
+    try:
+        policy = importlib.import_module(f"systems.policies.{system.policy}").POLICY
+    except (ModuleNotFoundError, AttributeError):
+        return
+    if "heldout_task" in {f.name for f in dataclasses.fields(policy)} and system.params.get("heldout_task") is None:
+        system.params["heldout_task"] = task_name
 
 
 def apply_budget(system: DictConfig, budget: int) -> None:
