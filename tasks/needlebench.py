@@ -197,8 +197,10 @@ class NeedleBench(Task):
                     for n in needles}
             return {"score": sum(hits.values()) / len(needles), **hits}
         answer = boxed_answer(prediction)
+        # "mentioned" is a diagnostic beside the v2 score: small models often name the answer unboxed.
         return {"score": 100.0 if answer == sample.answers[0] else 0.0,
-                "boxed": 0.0 if answer is None else 100.0}
+                "boxed": 0.0 if answer is None else 100.0,
+                "mentioned": 100.0 if sample.answers[0] in prediction else 0.0}
 
     def summarize(self, rows: Sequence[dict]) -> dict[str, float]:
         """Overall mean plus per length, per depth and per length x depth means ("len1000_depth10")."""
@@ -218,6 +220,8 @@ class NeedleBench(Task):
             groups[f"len{length}_{cell}"].append(row["score"])
             if meta["mode"] == "mrs":
                 groups[f"needles{meta['n_needles']}"].append(row["score"])
+                groups["boxed_rate"].append(row["boxed"])
+                groups["answer_mentioned"].append(row["mentioned"])
         out = {"score": _mean([r["score"] for r in rows]), "n": len(rows)}
         out.update({key: _mean(values) for key, values in sorted(groups.items())})
         return out

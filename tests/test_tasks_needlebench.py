@@ -101,7 +101,10 @@ def test_mrs_chain_depths_and_boxed_exact_match():
     assert chain[0] in sample.prompt.rsplit("</document>", 1)[1] and sample.answers == (chain[-1],)
     assert task.score(sample, f"So the answer is \\boxed{{{chain[-1]}}}.")["score"] == 100.0
     assert task.score(sample, f"\\boxed{{{chain[-2]}}}")["score"] == 0.0
-    assert task.score(sample, chain[-1])["score"] == 0.0                 # v2 needs the boxed answer
+    unboxed = task.score(sample, chain[-1])
+    assert unboxed["score"] == 0.0 and unboxed["mentioned"] == 100.0 and unboxed["boxed"] == 0.0
+    summary = task.summarize([{**unboxed, "meta": sample.meta, "prediction": chain[-1]}])
+    assert summary["answer_mentioned"] == 100.0 and summary["boxed_rate"] == 0.0 and summary["needles3"] == 0.0
 
 
 def test_boxed_answer_cleaning():
