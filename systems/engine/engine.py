@@ -1,0 +1,141 @@
+"""The engine loop: add requests (at their arrival time), step the scheduler and model, finish sequences."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from systems.base import GenerationRequest, cut_at_stop
+from systems.engine.kv_cache import TieredKVCache
+from systems.engine.model_runner import ModelRunner
+from systems.engine.models.llama import LlamaModel
+from systems.engine.ops import load_ops
+from systems.engine.sampler import sample
+from systems.engine.scheduler import Scheduler
+from systems.engine.sequence import Sequence, Status
+from systems.policies.base import Policy
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' = bf16 on CUDA and on CPUs with avx512_bf16, else fp32."""
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype != "auto":
+        if dtype not in names:
+            raise ValueError(f"dtype {dtype!r} unknown; use auto, bfloat16, float16 or float32")
+        return names[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        flags = ""
+    return torch.bfloat16 if "avx512_bf16" in flags else torch.float32
+
+
+class Engine:
+    """Owns model, KV storage, scheduler and policy; `generate` or `add_request` + `step` drive it."""
+
+    def __init__(self, model_dir: str, policy: Policy, engine_cfg: Any, dtype: str = "auto",
+                 device: str | None = None, max_model_len: int | None = None,
+                 is_eos: Callable[[int], bool] | None = None):
+        cfg = lambda key, default: getattr(engine_cfg, key, default)  # noqa: E731 - EngineConfig-like objects
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        threads = cfg("threads", None)
+        if threads and self.device.type == "cpu":
+            torch.set_num_threads(int(threads))
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = LlamaModel(model_dir, self.dtype, self.device)
+        spec = self.model.spec
+        self.max_model_len = max_model_len or spec.max_position_embeddings
+        self.ops = load_ops(self.device)
+        self.kv = TieredKVCache(
+            num_layers=spec.num_layers, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, page_size=int(cfg("page_size", 16)), max_seqs=int(cfg("max_num_seqs", 16)),
+            max_model_len=self.max_model_len, device_memory_gb=float(cfg("device_memory_gb", 2.0)),
+            host_memory_gb=float(cfg("host_memory_gb", 8.0)), dtype=self.dtype, device=self.device, ops=self.ops)
+        self.policy = policy
+        policy.bind(self.kv)
+        self.scheduler = Scheduler(self.kv, policy, int(cfg("max_num_seqs", 16)),
+                                   int(cfg("max_num_batched_tokens", 8192)))
+        self.runner = ModelRunner(self.model, self.kv, policy, self.ops)
+        eos = set(spec.eos_token_ids)
+        self.is_eos = is_eos or (lambda t: t in eos)
+        self.decode_text: Callable[[list[int]], str] = lambda ids: ""
+        self._order = 0
+        self.minmax_peak_bytes = 0
+        self.steps = {"prefill": 0, "decode": 0}
+
+    def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
+        total = len(request.prompt_token_ids) + request.max_new_tokens
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id}: empty prompt")
+        if total > self.max_model_len:
+            raise ValueError(f"request {request.request_id}: prompt + max_new_tokens = {total} exceeds the "
+                             f"engine's max_model_len {self.max_model_len}; truncate the prompt")
+        arrival = arrival_time if arrival_time is not None else (request.arrival_time or time.perf_counter())
+        seq = Sequence(request, arrival, self._order)
+        self._order += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """One scheduler step (a prefill or a decode forward); returns the sequences that finished in it."""
+        now = time.perf_counter()
+        seqs, is_prefill = self.scheduler.schedule(now)
+        if not seqs:
+            nxt = self.scheduler.next_arrival()
+            if nxt is not None and not self.scheduler.running:
+                time.sleep(min(max(nxt - now, 0.0), 0.05))
+            return []
+        logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+        tokens = sample(logits, seqs)
+        stamp = time.perf_counter()
+        self.steps["prefill" if is_prefill else "decode"] += 1
+        self._track_minmax()
+        finished = []
+        for seq, tok in zip(seqs, tokens):
+            seq.token_ids.append(tok)
+            seq.token_times.append(stamp)
+            seq.decode_step += 1
+            if self._check_finish(seq, tok):
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _check_finish(self, seq: Sequence, token: int) -> bool:
+        req = seq.request
+        if not req.ignore_eos and self.is_eos(token):
+            seq.finish_reason = "eos"
+            return True
+        if req.stop:
+            _, found = cut_at_stop(self.decode_text(seq.output_ids), req.stop)
+            if found:
+                seq.finish_reason = "stop"
+                return True
+        if seq.num_output_tokens >= req.max_new_tokens:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _track_minmax(self) -> None:
+        pages = sum(-(-len(s.token_ids) // self.kv.page_size) for s in self.scheduler.running)
+        live = pages * self.kv.num_layers * self.kv.num_kv_heads * self.kv.minmax_bytes_per_page
+        self.minmax_peak_bytes = max(self.minmax_peak_bytes, live)
+
+    def run(self) -> None:
+        while self.scheduler.has_work():
+            self.step()
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Sequence]:
+        """All requests to completion; mid-run arrivals honour each request's arrival_time."""
+        t0 = time.perf_counter()
+        order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time or t0)
+        seqs: list[Sequence | None] = [None] * len(requests)
+        for i in order:
+            seqs[i] = self.add_request(requests[i], requests[i].arrival_time or t0)
+        self.run()
+        assert all(s.status is Status.FINISHED for s in seqs)
+        return seqs

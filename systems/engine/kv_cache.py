@@ -1,0 +1,319 @@
+"""Tiered paged KV storage: device and host pools of head-pages, per-(seq, layer, KV head) tables, the MinMax cache.
+
+Implements systems.policies.base.KVView. On CUDA the host pool is pinned and tier copies run on a low-priority
+stream; on CPU both pools are RAM but separate tensors, and every tier copy is a real copy. No CUDA API is touched
+unless the device is CUDA.
+"""
+from __future__ import annotations
+
+import torch
+
+from systems.engine.block_pool import BlockPool
+from systems.engine.ops import load_ops
+
+GIB = 1 << 30
+ZEROED_POOL_BYTES = 256 << 20
+
+
+def _pool(n: int, shape: tuple, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    nbytes = n * shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    if device.type == "cuda" or pin or nbytes <= ZEROED_POOL_BYTES:
+        return torch.zeros((n, *shape), dtype=dtype, device=device, pin_memory=pin)
+    return torch.empty((n, *shape), dtype=dtype, device=device)
+
+
+class TieredKVCache:
+    def __init__(self, *, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 max_seqs: int, max_model_len: int, device_memory_gb: float, host_memory_gb: float,
+                 dtype: torch.dtype, device: torch.device, ops=None):
+        self.num_layers, self.num_q_heads, self.num_kv_heads = num_layers, num_q_heads, num_kv_heads
+        self.head_dim, self.page_size, self.dtype, self.device = head_dim, page_size, dtype, torch.device(device)
+        self.scale = head_dim ** -0.5
+        self.max_pages = -(-max_model_len // page_size)
+        self.ops = ops or load_ops(self.device)
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_block = 2 * page_size * head_dim * elem          # K and V of one page of one KV head
+        cuda = self.device.type == "cuda"
+        n_dev = int(device_memory_gb * GIB) // self.bytes_per_block + 1
+        n_host = int(host_memory_gb * GIB) // self.bytes_per_block + 1
+        self.device_blocks = BlockPool(n_dev, self.bytes_per_block, "device")
+        self.host_blocks = BlockPool(n_host, self.bytes_per_block, "host")
+        shape = (page_size, head_dim)
+        # Pools must read as finite values (masked slots are multiplied by probability 0): small pools and CUDA
+        # pools are zeroed; a large CPU pool comes from fresh mmap pages, which the OS zero-fills lazily, so an
+        # 8 GiB host tier costs no resident memory until it is written.
+        self.k_pool, self.v_pool = (_pool(n_dev, shape, dtype, self.device, False) for _ in range(2))
+        self.host_k_pool, self.host_v_pool = (_pool(n_host, shape, dtype, torch.device("cpu"), cuda)
+                                              for _ in range(2))
+        tab = (max_seqs, num_layers, num_kv_heads, self.max_pages)
+        self.block_table = torch.zeros(tab, dtype=torch.int32, device=self.device)
+        self.host_table = torch.zeros(tab, dtype=torch.int32, device=self.device)
+        self.num_tokens = torch.zeros(tab[:3], dtype=torch.int32, device=self.device)
+        self.kmin = torch.empty((*tab, head_dim), dtype=dtype, device=self.device)
+        self.kmax = torch.empty((*tab, head_dim), dtype=dtype, device=self.device)
+        self.minmax_bytes_per_page = 2 * head_dim * elem
+        self.bytes_host_to_device = 0
+        self.bytes_device_to_host = 0
+        self._paused: set[int] = set()
+        self._inflight: dict[int, object] = {}                         # slot -> CUDA event of its last promotion
+        # tier copies overlap decoding on a stream at the lowest priority (CUDA's 0; negative is higher)
+        self._copy_stream = torch.cuda.Stream(priority=0) if cuda else None
+        self._heads = torch.arange(num_kv_heads, device=self.device)
+        # (slot, layer) -> (first block, pages): the slot's prefill pages of that layer form one contiguous run
+        # (head h owns blocks first + h*pages ...), which the CPU decode path reads in place
+        self.prefix_runs: dict[tuple[int, int], tuple[int, int]] = {}
+
+    # ---- tier capacity -------------------------------------------------------------------------------------------
+    def free_device_blocks(self) -> int:
+        return self.device_blocks.num_free
+
+    def free_host_blocks(self) -> int:
+        return self.host_blocks.num_free
+
+    def _alloc_device(self, n: int) -> torch.Tensor:
+        return self.device_blocks.alloc(n).to(self.device)
+
+    # ---- prefill and decode writes (engine side) -----------------------------------------------------------------
+    def store_prefill(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store a whole prompt's K/V [n, Hkv, D] for one layer into fresh pages, in position order."""
+        n, H, D = k.shape
+        P = self.page_size
+        pages = -(-n // P)
+        ids = self._alloc_device(H * pages).view(H, pages)
+        self.block_table[slot, layer, :, :pages] = ids
+        flat = ids.reshape(-1)
+        if flat.numel() == 1 or bool((flat.diff() == 1).all()):
+            self.prefix_runs[(slot, layer)] = (int(flat[0]), pages)
+        tok = torch.arange(n, device=self.device)
+        block_ids = ids[:, tok // P].reshape(-1)
+        offsets = (tok % P).repeat(H)
+        self.ops.store_kv(self.k_pool, self.v_pool, k.transpose(0, 1).reshape(H * n, D),
+                          v.transpose(0, 1).reshape(H * n, D), block_ids, offsets)
+        self.num_tokens[slot, layer] = n
+        self.refresh_minmax(slot, layer)
+
+    def decode_blocks_needed(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B, L, Hkv] bool: heads whose next token opens a page that has no device block yet."""
+        cnt = self.num_tokens[slots].long()
+        page = (cnt // self.page_size).clamp(max=self.max_pages - 1)
+        resident = self.block_table[slots].gather(-1, page.unsqueeze(-1)).squeeze(-1) != 0
+        return (cnt % self.page_size == 0) & ~resident
+
+    def allocate_decode(self, slots: torch.Tensor, need: torch.Tensor) -> None:
+        """Give every head flagged in `need` (from decode_blocks_needed) a block for its next page."""
+        b, layer, head = need.nonzero(as_tuple=True)
+        if b.numel() == 0:
+            return
+        s = slots[b]
+        page = self.num_tokens[s, layer, head].long() // self.page_size
+        self.block_table[s, layer, head, page] = self._alloc_device(b.numel())
+
+    def append_decode(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one token's K/V [B, Hkv, D] per sequence to each head's last page, keeping MinMax exact."""
+        B, H, D = k.shape
+        P, M = self.page_size, self.max_pages
+        cnt = self.num_tokens[slots, layer].long()                      # [B, H]
+        page, off = cnt // P, cnt % P
+        blk = self.block_table[slots, layer].gather(-1, page.unsqueeze(-1)).squeeze(-1)
+        kf = k.reshape(B * H, D)
+        self.ops.store_kv(self.k_pool, self.v_pool, kf, v.reshape(B * H, D), blk.reshape(-1), off.reshape(-1))
+        rows = (((slots.view(B, 1) * self.num_layers + layer) * H + self._heads.view(1, H)) * M + page).reshape(-1)
+        self.ops.update_minmax(self.kmin.view(-1, D), self.kmax.view(-1, D), kf, rows, (off == 0).reshape(-1))
+        self.num_tokens[slots, layer] += 1
+
+    def decode_tables(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block table [B, Hkv, M'] (M' = most pages any listed head holds) and token counts [B, Hkv]."""
+        counts = self.num_tokens[slots, layer]
+        pages = -(-int(counts.max()) // self.page_size)
+        return self.block_table[slots, layer, :, :pages], counts
+
+    def free_seq(self, slot: int) -> None:
+        """Return every block of the slot to its tier and clear its tables."""
+        self.wait_slot(slot)
+        for table, pool in ((self.block_table, self.device_blocks), (self.host_table, self.host_blocks)):
+            row = table[slot]
+            pool.free(row[row != 0])
+            row.zero_()
+        self.num_tokens[slot].zero_()
+        for layer in range(self.num_layers):
+            self.prefix_runs.pop((slot, layer), None)
+        self._paused.discard(slot)
+
+    def refresh_minmax(self, slot: int, layer: int, heads: torch.Tensor | None = None) -> None:
+        """Recompute the MinMax entries of every resident page of the given heads from the pool."""
+        heads = self._heads if heads is None else heads
+        P = self.page_size
+        cnt = self.num_tokens[slot, layer, heads].long()                # [h]
+        n_pages = -(-cnt // P)
+        page = torch.arange(int(n_pages.max()), device=self.device)
+        valid = page.view(1, -1) < n_pages.view(-1, 1)                  # [h, pages]
+        pos = torch.arange(heads.numel(), device=self.device).view(-1, 1).expand_as(valid)[valid]
+        hh, pp = heads[pos], page.view(1, -1).expand_as(valid)[valid]
+        blk = self.block_table[slot, layer, hh, pp]
+        keep = blk != 0
+        hh, pp, blk, pos = hh[keep], pp[keep], blk[keep], pos[keep]
+        fill = (cnt[pos] - pp * P).clamp(max=P)
+        lo, hi = self.ops.page_minmax(self.k_pool, blk, fill)
+        self.kmin[slot, layer, hh, pp] = lo
+        self.kmax[slot, layer, hh, pp] = hi
+
+    # ---- KVView: reading -----------------------------------------------------------------------------------------
+    def gather_tokens(self, slots: torch.Tensor, layer: int):
+        table, counts = self.decode_tables(slots, layer)
+        B, H, Mp = table.shape
+        ids = table.reshape(-1).long()
+        k = self.k_pool.index_select(0, ids).view(B, H, Mp * self.page_size, self.head_dim)
+        v = self.v_pool.index_select(0, ids).view(B, H, Mp * self.page_size, self.head_dim)
+        n = int(counts.max())
+        k, v = k[:, :, :n], v[:, :, :n]
+        pad = (torch.arange(n, device=self.device).view(1, 1, n) >= counts.view(B, H, 1)).unsqueeze(-1)
+        return k.masked_fill(pad, 0), v.masked_fill(pad, 0), counts.long()
+
+    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
+        counts = self.num_tokens[slots, layer]
+        n_pages = -(-counts.long() // self.page_size)
+        width = int(n_pages.max())
+        return self.ops.page_scores(q, self.kmin[slots, layer, :, :width], self.kmax[slots, layer, :, :width],
+                                    n_pages)
+
+    # ---- KVView: eviction ----------------------------------------------------------------------------------------
+    def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
+        P = self.page_size
+        self.prefix_runs.pop((slot, layer), None)
+        for h, idx in enumerate(keep):
+            idx = idx.to(self.device).long()
+            n_keep, n_old = idx.numel(), int(self.num_tokens[slot, layer, h])
+            if n_keep < 1 or (n_keep > 1 and bool((idx[1:] <= idx[:-1]).any())) or int(idx[-1]) >= n_old:
+                raise ValueError(f"keep_tokens: head {h} needs ascending unique indices < {n_old}, at least one")
+            old_pages, new_pages = -(-n_old // P), -(-n_keep // P)
+            ids = self.block_table[slot, layer, h, :old_pages].long()
+            if bool((ids == 0).any()):
+                raise ValueError("keep_tokens: the head has non-resident pages; promote or drop them first")
+            flat = lambda pool: pool.index_select(0, ids).view(-1, self.head_dim)[idx]  # noqa: E731 - a copy
+            k_kept, v_kept = flat(self.k_pool), flat(self.v_pool)
+            pos = torch.arange(n_keep, device=self.device)
+            self.ops.store_kv(self.k_pool, self.v_pool, k_kept, v_kept, ids[pos // P], pos % P)
+            self.device_blocks.free(ids[new_pages:])
+            self.block_table[slot, layer, h, new_pages:old_pages] = 0
+            host = self.host_table[slot, layer, h]
+            self.host_blocks.free(host[host != 0])                     # host copies no longer match the pages
+            host.zero_()
+            self.num_tokens[slot, layer, h] = n_keep
+        self.refresh_minmax(slot, layer)
+
+    def drop_tokens(self, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        P = self.page_size
+        s, h, idx = slots.long(), heads.long(), index.long()
+        self._forget_runs(s, layer)
+        last = self.num_tokens[s, layer, h].long() - 1
+        if bool((idx > last).any()) or bool((last < 1).any()):
+            raise ValueError("drop_tokens: index beyond the head's tokens, or the head would become empty")
+        blk_last = self.block_table[s, layer, h, last // P].long()
+        blk_hole = self.block_table[s, layer, h, idx // P].long()
+        self.k_pool[blk_hole, idx % P] = self.k_pool[blk_last, last % P]
+        self.v_pool[blk_hole, idx % P] = self.v_pool[blk_last, last % P]
+        self.num_tokens[s, layer, h] -= 1
+        emptied = last % P == 0
+        self.device_blocks.free(blk_last[emptied])
+        self.block_table[s[emptied], layer, h[emptied], (last // P)[emptied]] = 0
+        # the hole's page changed content and the last page lost a token: recompute both bounds
+        pages = torch.cat([idx // P, (last // P)[~emptied]])
+        ss, hh = torch.cat([s, s[~emptied]]), torch.cat([h, h[~emptied]])
+        keep = self.block_table[ss, layer, hh, pages] != 0
+        ss, hh, pages = ss[keep], hh[keep], pages[keep]
+        cnt = self.num_tokens[ss, layer, hh].long()
+        fill = (cnt - pages * P).clamp(max=P)
+        lo, hi = self.ops.page_minmax(self.k_pool, self.block_table[ss, layer, hh, pages], fill)
+        self.kmin[ss, layer, hh, pages] = lo
+        self.kmax[ss, layer, hh, pages] = hi
+
+    # ---- KVView: tiers ---------------------------------------------------------------------------------------------
+    def _copy(self, dst_k, dst_v, dst_ids, src_k, src_v, src_ids) -> None:
+        if self._copy_stream is None:
+            dst_k.index_copy_(0, dst_ids, src_k.index_select(0, src_ids))
+            dst_v.index_copy_(0, dst_ids, src_v.index_select(0, src_ids))
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            d, s = dst_ids.to(dst_k.device, non_blocking=True), src_ids.to(src_k.device, non_blocking=True)
+            dst_k.index_copy_(0, d, src_k.index_select(0, s).to(dst_k.device, non_blocking=True))
+            dst_v.index_copy_(0, d, src_v.index_select(0, s).to(dst_v.device, non_blocking=True))
+
+    def offload_pages(self, slots, layers, heads, pages) -> None:
+        s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
+        if s.numel() == 0:
+            return
+        dev = self.block_table[s, l, h, p].long()
+        if bool((dev == 0).any()):
+            raise ValueError("offload_pages: a listed page is not resident on the device")
+        host = self.host_table[s, l, h, p].long()
+        fresh = host == 0
+        host[fresh] = self.host_blocks.alloc(int(fresh.sum())).to(self.device).long()
+        self.host_table[s, l, h, p] = host.to(torch.int32)
+        self._copy(self.host_k_pool, self.host_v_pool, host.cpu(), self.k_pool, self.v_pool, dev)
+        self.bytes_device_to_host += s.numel() * self.bytes_per_block
+
+    def release_device_pages(self, slots, layers, heads, pages) -> None:
+        s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
+        if self._copy_stream is not None:
+            torch.cuda.current_stream().wait_stream(self._copy_stream)  # an offload may still read these blocks
+        self._forget_runs(s, l)
+        dev = self.block_table[s, l, h, p]
+        self.device_blocks.free(dev[dev != 0])
+        self.block_table[s, l, h, p] = 0
+
+    def promote_pages(self, slots, layers, heads, pages, recycle=None) -> None:
+        s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
+        if s.numel() == 0:
+            return
+        host = self.host_table[s, l, h, p].long()
+        if bool((host == 0).any()):
+            raise ValueError("promote_pages: a listed page has no host copy")
+        self._forget_runs(s, l)
+        if recycle is None:
+            dev = self._alloc_device(s.numel()).long()
+        else:
+            r = recycle.to(self.device).long()
+            dev = self.block_table[s, l, h, r].long()
+            if bool((dev == 0).any()):
+                raise ValueError("promote_pages: a recycle page is not resident")
+            self.block_table[s, l, h, r] = 0
+        self.block_table[s, l, h, p] = dev.to(torch.int32)
+        self._copy(self.k_pool, self.v_pool, dev, self.host_k_pool, self.host_v_pool, host.cpu())
+        self.bytes_host_to_device += s.numel() * self.bytes_per_block
+        if self._copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+            for slot in s.unique().tolist():
+                self._inflight[slot] = event
+
+    def _forget_runs(self, slots: torch.Tensor, layers: torch.Tensor | int) -> None:
+        layers = layers.tolist() if isinstance(layers, torch.Tensor) else [layers] * slots.numel()
+        for key in set(zip(slots.tolist(), layers)):
+            self.prefix_runs.pop(key, None)
+
+    # ---- KVView: scheduling ----------------------------------------------------------------------------------------
+    def pause(self, slot: int) -> None:
+        self._paused.add(slot)
+
+    def take_paused(self) -> set[int]:
+        """Slots paused by the policy or with a promotion still in flight; clears the policy's pause requests."""
+        paused, self._paused = self._paused, set()
+        for slot, event in list(self._inflight.items()):
+            if event.query():
+                del self._inflight[slot]
+            else:
+                paused.add(slot)
+        return paused
+
+    def wait_slot(self, slot: int) -> None:
+        event = self._inflight.pop(slot, None)
+        if event is not None:
+            event.synchronize()
+
+    def sync_copies(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+        self._inflight.clear()

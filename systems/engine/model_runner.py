@@ -1,0 +1,75 @@
+"""Runs the model over a prefill or decode batch, storing K/V in pages and calling the policy hooks per layer."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from systems.engine.kv_cache import TieredKVCache
+from systems.engine.models.llama import LlamaModel
+from systems.engine.sequence import Sequence
+from systems.policies.base import DecodeStep, Policy
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: TieredKVCache, policy: Policy, attention_ops):
+        self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops
+        self.device = model.device
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Whole-prompt prefill of each sequence (no cached prefix); returns last-position logits [B, V]."""
+        lengths = [len(s.token_ids) for s in seqs]
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        infos = [s.info() for s in seqs]
+        kv, policy = self.kv, self.policy
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            outs = []
+            for i, seq in enumerate(seqs):
+                a, b = bounds[i], bounds[i + 1]
+                qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=kv.scale, enable_gqa=True)
+                outs.append(o[0].transpose(0, 1))
+                kv.store_prefill(seq.slot, layer, k[a:b], v[a:b])
+                policy.after_prefill_layer(kv, infos[i], layer, q[a:b], k[a:b])
+            return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+        hidden = self.model.forward(ids, positions, attend)
+        last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
+        return self.model.logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per sequence, the whole batch in one forward per layer; returns logits [B, V]."""
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        infos = [s.info() for s in seqs]
+        slot_list = [s.slot for s in seqs]
+        kv, policy, ops = self.kv, self.policy, self.ops
+        cpu = self.device.type == "cpu"
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kv.append_decode(slots, layer, k, v)
+            step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
+            selected = policy.select_pages(kv, step)
+            if selected is None:
+                table, counts = kv.decode_tables(slots, layer)
+                if cpu:
+                    runs = [kv.prefix_runs.get((slot, layer), (0, 0)) for slot in slot_list]
+                    out = ops.prefix_paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale, runs)
+                else:
+                    out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
+            else:
+                out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table[slots, layer],
+                                                  kv.num_tokens[slots, layer], selected, kv.scale)
+            policy.after_append(kv, step)
+            return out
+
+        hidden = self.model.forward(ids, positions, attend)
+        return self.model.logits(hidden)

@@ -1,0 +1,1 @@
+"""Model definitions the engine can run."""

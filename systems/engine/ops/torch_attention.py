@@ -1,0 +1,108 @@
+"""Paged decode attention over per-(sequence, KV head) block tables, dense and sparse top-K (torch reference, CPU path)."""
+from __future__ import annotations
+
+import torch
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                           num_tokens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One decode query per sequence attending to the pages listed for each of its KV heads.
+
+    q: [B, Hq, D]; k_pool, v_pool: [num_blocks, P, D]; block_table: [B, Hkv, M] int32 device block ids, the tokens
+    laid out in order through the listed pages, only the last listed page may be partial; num_tokens: [B, Hkv] int32,
+    how many tokens of the listed pages are valid (page j holds min(P, num_tokens - j*P)), >= 1 for every row.
+    Query head h reads KV head h // (Hq // Hkv) (GQA stays grouped: K/V are never expanded in storage).
+    Returns [B, Hq, D] in q's dtype; logits and softmax in fp32.
+    """
+    B, Hq, D = q.shape
+    _, Hkv, M = block_table.shape
+    P = k_pool.shape[1]
+    G = Hq // Hkv
+    ids = block_table.reshape(-1).long()
+    k = k_pool.index_select(0, ids).view(B, Hkv, M * P, D)             # reads only the listed pages
+    v = v_pool.index_select(0, ids).view(B, Hkv, M * P, D)
+    qg = q.view(B, Hkv, G, D).to(k.dtype)
+    logits = torch.matmul(qg, k.transpose(-1, -2)).float() * scale      # [B, Hkv, G, M*P]
+    invalid = torch.arange(M * P, device=q.device).view(1, 1, 1, -1) >= num_tokens.view(B, Hkv, 1, 1)
+    logits.masked_fill_(invalid, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs.to(v.dtype), v)                            # [B, Hkv, G, D]
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def gather_selected(block_table: torch.Tensor, num_tokens: torch.Tensor, selected_pages: torch.Tensor,
+                    page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block table and token counts that list only the selected pages, ready for paged_decode_attention.
+
+    block_table: [B, Hkv, M] int32 (logical page -> device block); num_tokens: [B, Hkv] tokens the head holds;
+    selected_pages: [B, Hkv, K] integer logical page indices, entries < 0 are padding; no duplicates in a row.
+    The head's partial last page (index (num_tokens - 1) // P when num_tokens % P != 0) may be among the selected;
+    pages are reordered ascending so it is listed last. Every row must select at least one page.
+    Returns (table [B, Hkv, K] int32 with padding slots = 0, counts [B, Hkv] int32 valid tokens in that listing).
+    """
+    sel = selected_pages.long()
+    pad = sel < 0
+    order_key = torch.where(pad, torch.iinfo(torch.int64).max, sel)
+    sel_sorted, _ = torch.sort(order_key, dim=-1)
+    pad_sorted = sel_sorted == torch.iinfo(torch.int64).max
+    idx = torch.where(pad_sorted, 0, sel_sorted)
+    table = torch.gather(block_table.long(), -1, idx)
+    table = torch.where(pad_sorted, 0, table).to(torch.int32)
+    n_sel = (~pad_sorted).sum(-1)                                        # [B, Hkv]
+    last_page = (num_tokens.long() - 1) // page_size
+    last_fill = num_tokens.long() - last_page * page_size                # tokens in the head's last page
+    last_listed = torch.gather(sel_sorted, -1, (n_sel - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    counts = n_sel * page_size - torch.where(last_listed == last_page, page_size - last_fill, 0)
+    return table, counts.to(torch.int32)
+
+
+def prefix_paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                  block_table: torch.Tensor, num_tokens: torch.Tensor, scale: float,
+                                  prefix: list[tuple[int, int]]) -> torch.Tensor:
+    """paged_decode_attention for the CPU, reading contiguous block runs in place instead of gathering them.
+
+    prefix[b] = (start, n0): sequence b's first n0 pages of KV head h are the blocks start + h*n0 ... start +
+    (h+1)*n0 - 1 (how a whole-prompt prefill allocates them), so they are read as a view of the pool; only the
+    pages after them (block_table[b, :, n0:]) are gathered. n0 = 0 gathers everything. Same arguments and result
+    as paged_decode_attention otherwise; the copy it avoids is most of the decode cost on a CPU.
+    """
+    B, Hq, D = q.shape
+    Hkv = block_table.shape[1]
+    P = k_pool.shape[1]
+    G = Hq // Hkv
+    counts = num_tokens.tolist()
+    out = torch.empty_like(q)
+    for b in range(B):
+        start, n0 = prefix[b]
+        n_max = max(counts[b])
+        total_pages = -(-n_max // P)
+        qb = q[b].view(Hkv, G, D).to(k_pool.dtype)
+        parts_k, parts_v = [], []
+        if n0:
+            parts_k.append(k_pool[start:start + Hkv * n0].view(Hkv, n0 * P, D))
+            parts_v.append(v_pool[start:start + Hkv * n0].view(Hkv, n0 * P, D))
+        if total_pages > n0:
+            ids = block_table[b, :, n0:total_pages].reshape(-1).long()
+            parts_k.append(k_pool.index_select(0, ids).view(Hkv, -1, D))
+            parts_v.append(v_pool.index_select(0, ids).view(Hkv, -1, D))
+        logits = torch.cat([torch.matmul(qb, k.transpose(-1, -2)) for k in parts_k], dim=-1).float() * scale
+        width = logits.shape[-1]
+        invalid = torch.arange(width).view(1, 1, width) >= num_tokens[b].view(Hkv, 1, 1)
+        probs = torch.softmax(logits.masked_fill_(invalid, float("-inf")), dim=-1).to(v_pool.dtype)
+        acc = None
+        offset = 0
+        for v in parts_v:
+            n = v.shape[1]
+            term = torch.matmul(probs[..., offset:offset + n], v)
+            acc = term if acc is None else acc + term
+            offset += n
+        out[b] = acc.reshape(Hq, D).to(q.dtype)
+    return out
+
+
+def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention over only the selected logical pages [B, Hkv, K] of each KV head (padding < 0, any order):
+    gather_selected then paged_decode_attention, so unselected pages are never read."""
+    table, counts = gather_selected(block_table, num_tokens, selected_pages, k_pool.shape[1])
+    return paged_decode_attention(q, k_pool, v_pool, table, counts, scale)

@@ -1,0 +1,52 @@
+"""One request's life inside the engine: its tokens, slot, timestamps and sampling state."""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from systems.base import GenerationRequest
+from systems.policies.base import SeqInfo
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, arrival_time: float, order: int):
+        self.request = request
+        self.arrival_time = arrival_time
+        self.order = order                      # submission order, restores the caller's ordering
+        self.token_ids = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.token_times: list[float] = []
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.prefill_len = 0
+        self.decode_step = 0
+        self.finish_reason = "length"
+        self.text = ""
+        self.kv_stats: dict = {}
+        self.generator: torch.Generator | None = None
+        if request.temperature > 0:
+            self.generator = torch.Generator().manual_seed(request.seed)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.request.max_new_tokens - self.num_output_tokens
+
+    def info(self) -> SeqInfo:
+        return SeqInfo(slot=self.slot, request_id=self.request.request_id, prefill_len=self.prefill_len,
+                       seq_len=len(self.token_ids), decode_step=self.decode_step,
+                       max_new_tokens=self.request.max_new_tokens)

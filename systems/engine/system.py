@@ -1,0 +1,73 @@
+"""EngineSystem: the paged engine with one KV policy behind the System protocol (requests carry token ids)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from systems.base import Completion, GenerationRequest, MemoryReport, cut_at_stop
+from systems.engine.engine import Engine
+from systems.policies import load_policy
+
+
+class EngineSystem:
+    def __init__(self, model_dir: str, policy_name: str, policy_params: dict | None, engine: Any,
+                 dtype: str = "auto", name: str = "engine-dense", device: str | None = None,
+                 max_model_len: int | None = None):
+        policy = load_policy(policy_name, policy_params)   # bad params fail here, before the model loads
+        from transformers import AutoTokenizer
+
+        self.name = name
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.engine = Engine(model_dir, policy, engine, dtype=dtype, device=device, max_model_len=max_model_len)
+        eos = set(self.engine.model.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.engine.is_eos = lambda t: t in eos
+        self.engine.decode_text = self._decode
+        self.mode = policy.mode
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        seqs = self.engine.generate(list(requests))
+        out = []
+        for seq in seqs:
+            req = seq.request
+            text = self._decode(seq.output_ids)
+            if req.stop:
+                text, _ = cut_at_stop(text, req.stop)
+            out.append(Completion(
+                request_id=req.request_id, text=text, token_ids=seq.output_ids, prompt_tokens=seq.num_prompt_tokens,
+                output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time, token_times=seq.token_times,
+                finish_reason=seq.finish_reason, kv_stats=seq.kv_stats))
+        return out
+
+    def memory_report(self) -> MemoryReport:
+        kv = self.engine.kv
+        return MemoryReport(
+            mode=self.mode,
+            device_kv_capacity_bytes=kv.device_blocks.capacity * kv.bytes_per_block,
+            device_kv_peak_bytes=kv.device_blocks.peak_bytes,
+            host_kv_peak_bytes=kv.host_blocks.peak_bytes,
+            bytes_host_to_device=kv.bytes_host_to_device,
+            bytes_device_to_host=kv.bytes_device_to_host,
+            extra={"minmax_peak_bytes": self.engine.minmax_peak_bytes,
+                   "minmax_allocated_bytes": kv.kmin.numel() * kv.kmin.element_size() * 2,
+                   "device_kv_used_bytes": kv.device_blocks.used_bytes,
+                   "host_kv_capacity_bytes": kv.host_blocks.capacity * kv.bytes_per_block,
+                   "page_size": kv.page_size, "bytes_per_block": kv.bytes_per_block,
+                   "preemptions": self.engine.scheduler.num_preemptions,
+                   "prefill_steps": self.engine.steps["prefill"], "decode_steps": self.engine.steps["decode"],
+                   "dtype": str(self.engine.dtype).replace("torch.", "")})
+
+    def reset_stats(self) -> None:
+        kv = self.engine.kv
+        kv.device_blocks.reset_peak()
+        kv.host_blocks.reset_peak()
+        kv.bytes_host_to_device = kv.bytes_device_to_host = 0
+        self.engine.minmax_peak_bytes = 0
+        self.engine.scheduler.num_preemptions = 0
+        self.engine.steps = {"prefill": 0, "decode": 0}
+
+    def close(self) -> None:
+        self.engine = None

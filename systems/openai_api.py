@@ -1,0 +1,217 @@
+"""OpenAI API pieces for systems/server.py: request bodies -> validated parameters, JSON errors, streamed text.
+
+Accepted as in vLLM's server: `prompt` as text, token ids, or a one-element list of either; `max_tokens`
+(chat: also `max_completion_tokens`) defaulting to the context left after the prompt; `ignore_eos`;
+`stream_options.include_usage`. Fields a client may send at their neutral value (n=1, logprobs=None,
+echo=false, penalties 0, repetition_penalty 1) are accepted; other values are refused with 400 rather than
+silently ignored, so a benchmark never measures something other than what it asked for.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+NEUTRAL = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
+           "top_logprobs": (None, 0), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
+           "repetition_penalty": (1, 1.0, None), "suffix": (None, ""), "tools": (None, []),
+           "response_format": (None, {"type": "text"})}
+
+
+class ApiError(Exception):
+    """A request the server refuses; `response()` renders OpenAI's error object."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+                 param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.kind, self.param = message, status, kind, param
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+    def response(self, headers: dict | None = None) -> web.Response:
+        return web.Response(text=json.dumps(self.body()), status=self.status, headers=headers,
+                            content_type="application/json")
+
+
+@dataclass
+class Params:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(f"{key} must be a number, got {value!r}", param=key)
+    if value > hi or value < lo or (lo_open and value == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise ApiError(f"{key}={value} is outside {interval}", param=key)
+    return float(value)
+
+
+def _flag(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"{key} must be true or false, got {value!r}", param=key)
+    return value
+
+
+def _token_ids(value: Any, vocab: int) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = [t for t in value if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
+        return list(value)
+    return None
+
+
+def completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    ids = _token_ids(prompt, vocab)
+    if ids is not None:
+        return ids
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise ApiError("batched prompts are not supported; send one prompt per request", param="prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError("prompt must be a non-empty string or a list of token ids", param="prompt")
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+def _content(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise ApiError(f"messages[{i}] needs a role in {list(ROLES)}", param="messages")
+        rendered.append({"role": m["role"], "content": _content(m, i)})
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError("stop must be a string or a list of strings", param="stop")
+    return tuple(s for s in stop if s)
+
+
+def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str) -> Params:
+    """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix."""
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise ApiError(f"the model `{model}` does not exist; this server serves `{model_name}`", status=404,
+                       kind="NotFoundError", param="model")
+    for key, allowed in NEUTRAL.items():
+        if key in body and body[key] not in allowed:
+            raise ApiError(f"{key}={body[key]!r} is not supported by this server; drop it", param=key)
+    vocab = engine.model.spec.vocab_size
+    ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab)
+    limit = engine.max_model_len
+    if len(ids) >= limit:
+        raise ApiError(f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} "
+                       "tokens: shorten the prompt", param="messages" if chat else "prompt")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(key)
+    if max_tokens is None:
+        max_tokens = limit - len(ids)
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ApiError(f"{key} must be an integer >= 1, got {max_tokens!r}", param=key)
+    if len(ids) + max_tokens > limit:
+        raise ApiError(f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt + "
+                       f"{max_tokens} completion tokens were requested; lower {key} or shorten the prompt",
+                       param=key)
+    # Its footprint once all max_tokens are decoded, by the policy's own rule (a budget caps it for eviction
+    # policies): a sequence that alone outgrows the device tier would fail the engine step it runs in.
+    need = engine.policy.device_blocks_needed(len(ids) + max_tokens, 0)
+    capacity = engine.kv.device_blocks.capacity
+    if need > capacity:
+        raise ApiError(f"the request needs {need} device KV blocks but the server's device tier holds {capacity}; "
+                       f"lower {key}, shorten the prompt, or restart the server with a larger --device-memory-gb",
+                       param=key)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(f"seed must be an integer, got {seed!r}", param="seed")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise ApiError("stream_options needs stream=true and must be an object", param="stream_options")
+    include_usage = _flag(options or {}, "include_usage")
+    return Params(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                  seed=random.getrandbits(31) if seed is None else seed, stop=_stop(body),
+                  ignore_eos=_flag(body, "ignore_eos"), stream=stream, include_usage=include_usage)
+
+
+class Detokenizer:
+    """Incremental text for streamed token ids (vLLM's prefix/read-offset scheme), cut before stop strings."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""            # decoded so far
+        self.emitted = 0          # characters already sent
+        self.hold = max((len(s) for s in stop), default=1) - 1   # a stop string may still be forming
+        self.stopped = False
+
+    def push(self, ids: list[int], final: bool) -> str:
+        decode = lambda a, b=None: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)  # noqa: E731
+        for tok in ids:
+            self.ids.append(tok)
+            before, after = decode(self.prefix, self.read), decode(self.prefix)
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                self.text += after[len(before):]
+                self.prefix, self.read = self.read, len(self.ids)
+        if final and self.read < len(self.ids):
+            self.text += decode(self.prefix)[len(decode(self.prefix, self.read)):]
+            self.read = len(self.ids)
+        end = len(self.text)
+        if self.stop:
+            cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                end, self.stopped = cut, True
+            elif not final:
+                end = max(self.emitted, end - self.hold)
+        delta = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return delta

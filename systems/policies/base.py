@@ -1,0 +1,197 @@
+"""The policy seam: what a KV policy may see and do at the engine's three hook points, and the KV view it acts through.
+
+A policy is a dataclass of hyperparameters (validated by `Policy.from_params`) plus hooks. The engine calls them in
+this order for each sequence (identified by its `slot`, an integer in [0, max_num_seqs)):
+
+    reset(slot)                                   admitted (also after a preemption: it is prefilled again)
+    after_prefill_layer(kv, seq, layer, q, k)     once per layer, as soon as that layer's prefill KV is stored
+    ... per decode step, for the running batch:
+    begin_decode_step(kv, seqs)                   before the forward; may kv.pause(slot) to skip a sequence this step
+    select_pages(kv, step) -> pages | None        per layer, after the new token is appended, before attention
+    after_append(kv, step)                        per layer, after attention (the step saw the uncompressed cache)
+    kv_stats(kv, seq) -> dict                     when the sequence finishes (copied into Completion.kv_stats)
+    reset(slot)                                   after it finishes; the engine then frees all its blocks
+
+Storage the view exposes (all tensors live on the engine's device; policies may read them and must change them only
+through the view's methods, which keep the free lists, MinMax cache and byte counters consistent):
+
+- pools of head-pages `k_pool`/`v_pool` (device tier) and `host_k_pool`/`host_v_pool`, each [blocks, P, D];
+  one block = one page of one (layer, KV head); block 0 is the null block.
+- `block_table` [S, L, Hkv, M] int32: logical page -> device block (0 = not resident); `host_table` the same
+  for the host tier. A head's tokens are laid out in storage order through its logical pages 0, 1, ...; only its
+  last page may be partial. `num_tokens` [S, L, Hkv] int32 counts the tokens each head holds (heads differ after
+  eviction). Keys are stored post-RoPE at their original positions, so storage order need not be position order.
+- `kmin`/`kmax` [S, L, Hkv, M, D]: elementwise min/max key of every logical page, resident or not, kept exact by
+  the engine on every write (the partial last page included); `score_pages` turns them into Quest bounds with the
+  engine's kernel (Triton on CUDA), so a policy needs no engine import to score.
+
+Rules: GQA stays grouped (never store K/V per query head); savings must be physical (drop or offload through the
+view so blocks are freed); a policy never imports engine modules; per-sequence state is keyed by slot and cleared in
+`reset`. Selecting pages: `select_pages` returns logical page indices [B, Hkv, K] (entries < 0 are padding, no
+duplicates, at least one page per row, every selected page resident); the engine reads only those pages. Returning
+None means "all of the head's pages", which requires every page 0 .. ceil(num_tokens/P)-1 to be resident.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+
+@dataclass
+class SeqInfo:
+    """What a policy may know about one running sequence."""
+
+    slot: int
+    request_id: str
+    prefill_len: int        # tokens run through prefill (the prompt, plus earlier outputs after a preemption)
+    seq_len: int            # tokens the sequence has processed so far, including the one being decoded now
+    decode_step: int        # 0 during prefill, 1 at the first decode step, then 2, 3, ...
+    max_new_tokens: int
+
+
+@dataclass
+class DecodeStep:
+    """One layer of one batched decode step, as seen by `select_pages` and `after_append`."""
+
+    layer: int
+    slots: torch.Tensor     # [B] int64 slots of the batch, on the engine's device
+    seqs: list[SeqInfo]     # the same B sequences, in order
+    q: torch.Tensor         # [B, Hq, D] post-RoPE queries of the new token
+
+
+class KVView(Protocol):
+    """The engine's KV storage as a policy sees it (implemented by the engine's tiered KV cache)."""
+
+    page_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_pages: int                      # M: logical pages per (seq, layer, KV head)
+    device: torch.device
+    dtype: torch.dtype
+    scale: float                        # softmax scale of the model's attention (1/sqrt(head_dim))
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    host_k_pool: torch.Tensor
+    host_v_pool: torch.Tensor
+    block_table: torch.Tensor
+    host_table: torch.Tensor
+    num_tokens: torch.Tensor
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+
+    def free_device_blocks(self) -> int:
+        """Free blocks in the device tier now."""
+
+    def free_host_blocks(self) -> int:
+        """Free blocks in the host tier now."""
+
+    def gather_tokens(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k, v, counts) of the given sequences' resident tokens in storage order: k, v [B, Hkv, N, D] (N = the
+        largest count, padding zeroed), counts [B, Hkv] int64. Reads device pages; a non-resident page reads zeros."""
+
+    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Quest upper bounds from the MinMax cache, every page resident or not: [B, Hkv, M'] fp32 (M' = most
+        pages any listed head holds; pages a head does not hold score -inf). q: [B, Hq, D]; a KV head's score is
+        the max over its query group of sum_d max(q_d*kmin_d, q_d*kmax_d). Triton on CUDA, torch on CPU."""
+
+    def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
+        """Evict for good: head h keeps only the storage indices keep[h] (1-D int, ascending, unique), compacted into
+        its leading pages; surplus device (and host) blocks are freed and MinMax recomputed. Heads may keep different
+        counts (>= 1). The head must be fully resident."""
+
+    def drop_tokens(self, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
+        """Decode-time eviction, batched: entry i removes storage index index[i] of head (slots[i], layer, heads[i])
+        by moving that head's last token into the hole (policies mirror this move in their per-token state); the
+        last page's block is freed when it empties. At most one entry per head per call. The head's last page and
+        the hole's page must be resident."""
+
+    def offload_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor,
+                      pages: torch.Tensor) -> None:
+        """Copy the listed resident pages device -> host (1-D tensors, one entry per page); host blocks are
+        allocated and host_table set; the device copies stay until released. Asynchronous on CUDA."""
+
+    def release_device_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor,
+                             pages: torch.Tensor) -> None:
+        """Free the device blocks of the listed pages (block_table -> 0). A page without a host copy is gone for
+        good: it must never be selected again (its MinMax entry stays, its tokens stay counted in num_tokens)."""
+
+    def promote_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
+                      recycle: torch.Tensor | None = None) -> None:
+        """Copy the listed pages host -> device. With `recycle` (logical pages of the same (slot, layer, head),
+        one per entry, resident), each incoming page takes over the device block of its recycle page, whose
+        block_table entry becomes 0 (block recycling); without it fresh device blocks are allocated.
+        Asynchronous on CUDA: the engine pauses the sequence until the copy lands; see `sync_copies`."""
+
+    def pause(self, slot: int) -> None:
+        """Skip this sequence in the current decode step (when called from begin_decode_step) or the next one."""
+
+    def sync_copies(self) -> None:
+        """Wait for every in-flight tier copy (no-op on CPU, where copies are synchronous)."""
+
+
+_REGISTRY_HINT = "systems/policies/<name>.py exposing POLICY"
+
+
+@dataclass
+class Policy:
+    """Base of every KV policy: subclasses add hyperparameter fields and override the hooks they need."""
+
+    name: ClassVar[str] = "base"
+    mode: ClassVar[str] = "physical"    # 'simulated' if savings are only masked
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> "Policy":
+        """Build from a config dict; unknown keys fail in one line naming the valid ones."""
+        params = dict(params or {})
+        valid = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(set(params) - set(valid))
+        if unknown:
+            raise ValueError(f"policy '{cls.name}': unknown params {unknown}; valid keys: {valid or 'none'}")
+        return cls(**params)
+
+    def bind(self, kv: KVView) -> None:
+        """Called once before any request, with the storage the policy will act on (model dims, page size).
+        Overrides call super().bind(kv)."""
+        self.num_layers = kv.num_layers
+        self.num_kv_heads = kv.num_kv_heads
+        self.page_size = kv.page_size
+
+    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Device blocks that must be free to admit a request with this prefill length: an upper bound on what it
+        holds after prefill plus its transient peak during prefill (decode growth is handled by preemption).
+        Default: every page of every (layer, KV head) resident."""
+        pages = -(-prompt_len // self.page_size)
+        return pages * self.num_layers * self.num_kv_heads
+
+    def reset(self, slot: int) -> None:
+        """Forget every piece of state held for this slot (called at admission and after finish/preemption)."""
+
+    def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Prefill of `layer` for `seq` is done and its KV stored (all n tokens resident, storage order = position
+        order). q: [n, Hq, D], k: [n, Hkv, D], both post-RoPE (the last S_w rows of q are the observation window;
+        values are in kv.v_pool via gather_tokens). Evict (kv.keep_tokens), offload (kv.offload_pages /
+        release_device_pages) or re-evict earlier layers here (CAKE's cascading). Layers arrive in order
+        0 .. L-1; layer L-1 is the end of the sequence's prefill."""
+
+    def begin_decode_step(self, kv: KVView, seqs: list[SeqInfo]) -> None:
+        """Before each decode step's forward, for the sequences about to decode; may call kv.pause(slot)."""
+
+    def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
+        """Before decode attention of step.layer: logical pages [B, Hkv, K] each head reads (see module docstring),
+        or None for all pages. The new token is already appended (num_tokens and MinMax include it)."""
+        return None
+
+    def after_append(self, kv: KVView, step: DecodeStep) -> None:
+        """After decode attention of step.layer: decode-time eviction through kv.drop_tokens / keep_tokens."""
+
+    def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
+        """Realized KV of the finished sequence: tokens kept per layer and KV head, resident device pages."""
+        counts = kv.num_tokens[seq.slot]
+        resident = (kv.block_table[seq.slot] != 0).sum(-1)
+        return {"policy": self.name, "mode": self.mode, "kept_tokens": counts.tolist(),
+                "device_pages": int(resident.sum())}

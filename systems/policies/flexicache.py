@@ -1,0 +1,242 @@
+"""FlexiCache: stable KV heads keep only their top-K pages on the device (full KV on the host), unstable heads keep all.
+
+Follows NazmulTakbir/FlexiCache-vLLM-extension (methods.md §12). Unstable heads (a profile's 25 %) keep every page
+on the device and read their Quest top-K every step. Stable heads copy every full page to the host once; they read
+whatever they hold on the device and rerank at decode step 1 and every R steps: every page is scored from the MinMax
+cache (offloaded pages too), and only pages newly in the top-K cross host -> device, each into the block of a page
+that left the top-K (block recycling); leftover leavers are freed, their host copy stays.
+
+Where this departs from the official fork, and why:
+- The top-K kept after prefill is ranked with the last prompt token's query, so the non-top-K device blocks are
+  freed as each layer's prefill ends (the official frees them after the first decode ranking). The device footprint
+  is then K + 1 pages per stable head from admission on, which is what lets a capped pool admit more requests;
+  decode step 1 reranks with the real decode query as in the official code.
+- A rerank step's attention reads the pages resident when it starts; the promotion is issued after that layer's
+  attention (so recycled blocks are no longer read) and serves the next step. On CUDA the engine pauses the request
+  while its copy is in flight; on CPU copies are synchronous and nothing waits.
+- `naive: true` reranks every head every step (FlexiCache F8's stability-unaware baseline): stable heads then
+  promote every step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from systems.policies import profiles, selection
+from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+
+
+@dataclass
+class FlexiCache(Policy):
+    budget: int = 1024                # tokens of a stable head's device top-K, K = budget // page_size (64 pages)
+    page_size: int = 16               # FlexiCache's block; must equal engine.page_size
+    rerank_interval: int = 16         # R (--rerank-frequency 16); unstable heads rerank every step
+    profile_model: str = "smollm2-135m-instruct"
+    profile_tasks: list = field(default_factory=lambda: ["needlebench_mrt", "needlebench_srt"])  # preference
+    heldout_task: str | None = None   # the evaluated task; leave-one-out skips its own profile (official rule)
+    profile: str | None = None        # explicit profile file (overrides profile_model / profile_tasks)
+    unstable_heads: list | None = None  # explicit [[layer, head], ...] (overrides any profile)
+    naive: bool = False               # rerank every head every step
+
+    name = "flexicache"
+
+    def __post_init__(self) -> None:
+        if self.budget < self.page_size or self.page_size <= 0 or self.rerank_interval < 1:
+            raise ValueError(f"flexicache: need budget >= page_size > 0 and rerank_interval >= 1, got budget="
+                             f"{self.budget} page_size={self.page_size} rerank_interval={self.rerank_interval}")
+        self.profile_tasks = [str(t) for t in self.profile_tasks]
+        if self.unstable_heads is not None:
+            self.unstable_heads = [[int(x) for x in pair] for pair in self.unstable_heads]
+            self._profile_path = None
+        else:                                                         # a missing profile fails before any model load
+            self._profile_path = self.profile or profiles.find_profile(
+                "flexicache", self.profile_model, self.profile_tasks, self.heldout_task)
+
+    @property
+    def top_k(self) -> int:
+        return self.budget // self.page_size
+
+    # ---- setup ---------------------------------------------------------------------------------------------------
+    def bind(self, kv: KVView) -> None:
+        if kv.page_size != self.page_size:
+            raise ValueError(f"flexicache: params.page_size={self.page_size} but engine.page_size={kv.page_size}; "
+                             f"set both to the same value")
+        super().bind(kv)
+        heads, self.profile_source = self._unstable_list(kv)
+        self.unstable = torch.zeros(kv.num_layers, kv.num_kv_heads, dtype=torch.bool, device=kv.device)
+        for layer, head in heads:
+            self.unstable[layer, head] = True
+        self._unstable_cpu = self.unstable.cpu()
+        elem = kv.k_pool.element_size()
+        self.bytes_per_block = 2 * kv.page_size * kv.head_dim * elem
+        self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
+        self._stats: dict[int, dict[str, Any]] = {}
+        self._pending: dict[int, tuple] = {}
+
+    def _unstable_list(self, kv: KVView) -> tuple[list[tuple[int, int]], str]:
+        if self.unstable_heads is not None:
+            return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
+        path = self._profile_path
+        prof = profiles.load_profile(path, "flexicache")
+        if (prof["num_layers"], prof["num_kv_heads"]) != (kv.num_layers, kv.num_kv_heads):
+            raise ValueError(f"flexicache profile {path} is for {prof['num_layers']} layers x {prof['num_kv_heads']} "
+                             f"KV heads, the model has {kv.num_layers} x {kv.num_kv_heads}; profile this model")
+        return profiles.head_list(prof["unstable_heads"], kv.num_layers, kv.num_kv_heads, str(path)), str(path)
+
+    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        pages = -(-prompt_len // self.page_size)
+        n_unstable = self._unstable_cpu.sum(-1)                          # [L]
+        n_stable = self.num_kv_heads - n_unstable
+        kept = min(pages, self.top_k + 1)
+        settled = int((n_unstable * pages + n_stable * kept).sum())
+        transient = int(n_stable.max()) * (pages - kept)                 # one layer's stable heads before release
+        return settled + transient
+
+    def reset(self, slot: int) -> None:
+        self._stats[slot] = {"promoted_pages": 0, "released_pages": 0, "offloaded_pages": 0, "reranks": 0,
+                             "head_reranks": 0, "topk_pages_reranked": 0, "copy_time_s": 0.0,
+                             "promoted_per_step": [], "_step": -1}
+
+    # ---- hooks ---------------------------------------------------------------------------------------------------
+    def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        stable = (~self.unstable[layer]).nonzero().view(-1)
+        if stable.numel() == 0:
+            return
+        slot, P = seq.slot, kv.page_size
+        n = int(kv.num_tokens[slot, layer, 0])
+        n_pages, full = -(-n // P), n // P
+        stats = self._stats[slot]
+        t0 = time.perf_counter()
+        if full:
+            hh = stable.repeat_interleave(full)
+            pp = torch.arange(full, device=kv.device).repeat(stable.numel())
+            self._tier_call(kv.offload_pages, slot, layer, hh, pp)
+            stats["offloaded_pages"] += hh.numel()
+        if n_pages - 1 > self.top_k:
+            num_pages = torch.full((1, kv.num_kv_heads), n_pages, device=kv.device)
+            scores = selection.page_scores(q[-1:], kv.kmin[slot:slot + 1, layer, :, :n_pages],
+                                           kv.kmax[slot:slot + 1, layer, :, :n_pages], num_pages)
+            top = selection.candidates_topk(scores, num_pages, self.top_k)[0, stable]          # [s, K]
+            keep = selection.as_mask(top, n_pages)
+            keep[:, n_pages - 1] = True
+            hi, pp = (~keep).nonzero(as_tuple=True)
+            self._tier_call(kv.release_device_pages, slot, layer, stable[hi], pp)
+            stats["released_pages"] += pp.numel()
+        stats["copy_time_s"] += time.perf_counter() - t0
+
+    @staticmethod
+    def _tier_call(fn, slot, layer, heads, pages) -> None:
+        n = heads.numel()
+        fn(torch.full((n,), slot, dtype=torch.long, device=heads.device),
+           torch.full((n,), layer, dtype=torch.long, device=heads.device), heads, pages)
+
+    def _reranks(self, seqs: list[SeqInfo]) -> list[int]:
+        if self.naive:
+            return list(range(len(seqs)))
+        return [b for b, s in enumerate(seqs) if s.decode_step == 1 or s.decode_step % self.rerank_interval == 0]
+
+    def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
+        layer, slots = step.layer, step.slots
+        num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)          # [B, Hkv]
+        width = int(num_pages.max())
+        valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
+        resident = (kv.block_table[slots, layer, :, :width] != 0) & valid
+        read = resident.clone()
+        unstable = self.unstable[layer]
+        rows = self._reranks(step.seqs)
+        stable = (~unstable).nonzero().view(-1)
+        heads_u = unstable.nonzero().view(-1)
+        if heads_u.numel() and width > self.top_k + 1:                # unstable heads: top-K + last page every step
+            rows_u = torch.arange(len(step.seqs), device=kv.device)
+            scores = self._scores(kv, step, rows_u, heads_u, width, num_pages)
+            top = selection.topk_with_last(scores, num_pages[:, heads_u], self.top_k + 1)
+            read[rows_u.view(-1, 1), heads_u.view(1, -1)] = selection.as_mask(top, width)
+        if rows and stable.numel():                                   # stable heads: swap map for the next step
+            r = torch.tensor(rows, device=kv.device)
+            scores = self._scores(kv, step, r, stable, width, num_pages)
+            n_sel = num_pages[r][:, stable]
+            chosen = selection.as_mask(selection.candidates_topk(scores, n_sel, self.top_k), width)
+            chosen.scatter_(-1, (n_sel - 1).unsqueeze(-1), True)
+            self._pending[layer] = (r, stable, resident[r][:, stable], chosen)
+        if bool((read == valid).all()):
+            return None
+        return selection.compact(read)
+
+    def _scores(self, kv: KVView, step: DecodeStep, rows, heads, width, num_pages) -> torch.Tensor:
+        G = kv.num_q_heads // kv.num_kv_heads
+        q = step.q[rows].view(rows.numel(), kv.num_kv_heads, G, -1)[:, heads].reshape(rows.numel(), -1, kv.head_dim)
+        s = step.slots[rows].view(-1, 1)
+        h = heads.view(1, -1)
+        kmin = kv.kmin[s, step.layer, h, :width]
+        kmax = kv.kmax[s, step.layer, h, :width]
+        return selection.page_scores(q, kmin, kmax, num_pages[rows][:, heads])
+
+    def after_append(self, kv: KVView, step: DecodeStep) -> None:
+        layer, slots, P = step.layer, step.slots, kv.page_size
+        t0 = time.perf_counter()
+        stable = ~self.unstable[layer]
+        counts = kv.num_tokens[slots, layer].long()                                       # [B, Hkv]
+        filled = (counts % P == 0) & stable.view(1, -1)
+        b, h = filled.nonzero(as_tuple=True)
+        if b.numel():                                                 # a stable head's page just filled: host copy
+            page = counts[b, h] // P - 1
+            fresh = kv.host_table[slots[b], layer, h, page] == 0
+            b, h, page = b[fresh], h[fresh], page[fresh]
+            kv.offload_pages(slots[b], torch.full_like(b, layer), h, page)
+            for slot, n in zip(*torch.unique(slots[b], return_counts=True)):
+                self._stats[int(slot)]["offloaded_pages"] += int(n)
+        pending = self._pending.pop(layer, None)
+        if pending is not None:
+            self._swap(kv, step, *pending)
+        dt = time.perf_counter() - t0
+        for seq in step.seqs:                                         # copy time split evenly over the batch
+            self._stats[seq.slot]["copy_time_s"] += dt / len(step.seqs)
+
+    def _swap(self, kv: KVView, step: DecodeStep, rows, heads, resident, chosen) -> None:
+        R, S, M = resident.shape
+        incoming, evicted = selection.swap_map(resident.reshape(R * S, M), chosen.reshape(R * S, M))
+        pair_row, page, recycle, left_row, left_page = selection.pair_for_recycling(incoming, evicted)
+        slot_of = step.slots[rows].repeat_interleave(S)
+        head_of = heads.repeat(R)
+        layer = torch.full_like(pair_row, step.layer)
+        kv.promote_pages(slot_of[pair_row], layer, head_of[pair_row], page, recycle=recycle)
+        kv.release_device_pages(slot_of[left_row], torch.full_like(left_row, step.layer), head_of[left_row],
+                                left_page)
+        promoted = torch.bincount(pair_row // S, minlength=R).tolist()
+        released = torch.bincount(left_row // S, minlength=R).tolist()
+        for i, b in enumerate(rows.tolist()):
+            seq = step.seqs[b]
+            st = self._stats[seq.slot]
+            if st["_step"] != seq.decode_step:
+                st["_step"] = seq.decode_step
+                st["promoted_per_step"].append(0)
+                st["reranks"] += 1
+            st["promoted_per_step"][-1] += promoted[i]
+            st["promoted_pages"] += promoted[i]
+            st["released_pages"] += released[i]
+            st["head_reranks"] += S
+            st["topk_pages_reranked"] += int(chosen[i].sum()) - S       # the always-kept last page is not top-K
+
+    def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
+        stats = super().kv_stats(kv, seq)
+        st = {k: v for k, v in self._stats.get(seq.slot, {}).items() if not k.startswith("_")}
+        pages = -(-int(kv.num_tokens[seq.slot].max()) // kv.page_size)
+        n_unstable = int(self.unstable.sum())
+        n_stable = self.num_layers * self.num_kv_heads - n_unstable
+        st["bytes_host_to_device"] = st.get("promoted_pages", 0) * self.bytes_per_block
+        st["bytes_device_to_host"] = st.get("offloaded_pages", 0) * self.bytes_per_block
+        st["promoted_share_of_topk"] = (st["promoted_pages"] / st["topk_pages_reranked"]
+                                        if st.get("topk_pages_reranked") else None)
+        stats.update(st, budget_tokens=self.budget, top_k=self.top_k, naive=self.naive,
+                     unstable_heads=n_unstable, stable_heads=n_stable, profile=self.profile_source,
+                     device_kv_bytes=stats["device_pages"] * self.bytes_per_block,
+                     analytic_device_kv_bytes=(n_unstable * pages + n_stable * min(pages, self.top_k + 1))
+                     * self.bytes_per_block,
+                     minmax_bytes=self.num_layers * self.num_kv_heads * pages * self.minmax_bytes_per_page)
+        return stats
+
+
+POLICY = FlexiCache

@@ -1,0 +1,202 @@
+"""Token eviction scores (SnapKV, CAKE and variants, H2O, TOVA) and the ledger of per-token state beside the cache.
+
+GQA group aggregation lives here too; the ledger keeps original positions and running scores in step with the KV
+view's keep/drop moves.
+
+Scores are computed in fp32 from post-RoPE q [n, Hq, D] and k [n, Hkv, D]; K is never expanded to query heads: the
+query heads are viewed as [Hkv, G] and each group attends to its own KV head. Per-query-head scores are pooled (as the
+official codes pool per head) and then reduced over the GQA group with a named aggregation (mean | max | sum).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+AGGREGATIONS = ("mean", "max", "sum")
+POOLINGS = ("avgpool", "maxpool", "none")
+# CAKE's indicator (mean + gamma * var) and its T3 ablation variants, plus SnapKV's window sum
+WINDOW_INDICATORS = ("mean_plus_var", "mean", "var", "mean_times_var", "sum")
+
+
+def check_choice(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {list(options)}")
+
+
+def group_reduce(x: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """[Hq, ...] per query head -> [Hkv, ...] per KV head (query head h belongs to KV head h // G)."""
+    g = x.reshape(num_kv_heads, x.shape[0] // num_kv_heads, *x.shape[1:])
+    if how == "mean":
+        return g.mean(1)
+    if how == "max":
+        return g.amax(1)
+    if how == "sum":
+        return g.sum(1)
+    raise ValueError(f"aggregation={how!r} is not supported; use one of {list(AGGREGATIONS)}")
+
+
+def pool1d(x: torch.Tensor, kernel: int, kind: str) -> torch.Tensor:
+    """1-D pooling over the last (key) axis, stride 1, padding kernel // 2 (zeros counted for avg, as F.avg_pool1d)."""
+    if kind == "none" or kernel <= 1:
+        return x
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])
+    if kind == "avgpool":
+        out = F.avg_pool1d(flat, kernel_size=kernel, padding=kernel // 2, stride=1)
+    elif kind == "maxpool":
+        out = F.max_pool1d(flat, kernel_size=kernel, padding=kernel // 2, stride=1)
+    else:
+        raise ValueError(f"pooling={kind!r} is not supported; use one of {list(POOLINGS)}")
+    return out[..., :shape[-1]].reshape(shape)
+
+
+def _grouped_logits(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [m, Hq, D], k [n, Hkv, D] -> logits [Hq, m, n] with each query group against its own KV head."""
+    m, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().permute(1, 0, 2).reshape(hkv, hq // hkv * m, d)
+    logits = qg @ k.float().permute(1, 2, 0) * scale                    # [Hkv, G*m, n]
+    return logits.reshape(hq, m, -1)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    """Softmax attention of the last `window` queries over all n keys, causal inside the window: [Hq, window, n]."""
+    n = k.shape[0]
+    window = min(window, n)
+    logits = _grouped_logits(q[n - window:], k, scale)
+    qpos = torch.arange(n - window, n, device=k.device).view(-1, 1)
+    logits = logits.masked_fill(torch.arange(n, device=k.device).view(1, -1) > qpos, float("-inf"))
+    return logits.softmax(-1)
+
+
+def window_indicator(attn: torch.Tensor, num_kv_heads: int, kind: str = "mean_plus_var", gamma: float = 200.0,
+                     kernel: int = 5, pooling: str = "avgpool", aggregation: str = "mean") -> torch.Tensor:
+    """Per-KV-head scores [Hkv, n - S_w] of the prefix keys from window attention [Hq, S_w, n]: reduce over the window
+    queries (`kind`), drop the window's own columns, pool per query head, aggregate over the GQA group.
+
+    kinds: mean_plus_var = mean + gamma * var (CAKE, gamma 200); mean; var; mean_times_var = mean * var (CAKE T3);
+    sum (SnapKV: the window queries' attention summed). Variance is unbiased across the window queries, as torch.var.
+    """
+    w = attn.shape[1]
+    if kind == "sum":
+        s = attn.sum(1)
+    else:
+        mean = attn.mean(1)
+        var = attn.var(1) if w > 1 else torch.zeros_like(mean)
+        if kind == "mean_plus_var":
+            s = mean + gamma * var
+        elif kind == "mean":
+            s = mean
+        elif kind == "var":
+            s = var
+        elif kind == "mean_times_var":
+            s = mean * var
+        else:
+            raise ValueError(f"indicator={kind!r} is not supported; use one of {list(WINDOW_INDICATORS)}")
+    s = s[:, :attn.shape[2] - w]
+    return group_reduce(pool1d(s, kernel, pooling), num_kv_heads, aggregation)
+
+
+def accumulated_attention(q: torch.Tensor, k: torch.Tensor, scale: float, aggregation: str = "mean",
+                          chunk: int = 256) -> torch.Tensor:
+    """H2O's score: attention each key receives summed over all (causal) prompt queries, per KV head [Hkv, n].
+    Queries run in chunks so the [Hq, chunk, n] probabilities bound the memory."""
+    n, hkv = k.shape[0], k.shape[1]
+    total = torch.zeros(q.shape[1], n, dtype=torch.float32, device=k.device)
+    keys = torch.arange(n, device=k.device).view(1, -1)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        logits = _grouped_logits(q[start:stop], k, scale)
+        mask = keys > torch.arange(start, stop, device=k.device).view(-1, 1)
+        total += logits.masked_fill(mask, float("-inf")).softmax(-1).sum(1)
+    return group_reduce(total, hkv, aggregation)
+
+
+def last_query_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """TOVA's score: the last query's attention over all n keys, averaged over every query head: [n]."""
+    return _grouped_logits(q[-1:], k, scale)[:, 0].softmax(-1).mean(0)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """The new token's attention over each head's stored tokens: q [B, Hq, D], k [B, Hkv, N, D] (storage order, rows
+    padded past counts [B, Hkv]) -> probabilities [B, Hq, N], exactly 0 on padding."""
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qg = q.float().view(b, hkv, hq // hkv, d)
+    logits = qg @ k.float().transpose(-1, -2) * scale                   # [B, Hkv, G, N]
+    pad = torch.arange(n, device=k.device).view(1, 1, 1, n) >= counts.view(b, hkv, 1, 1)
+    return logits.masked_fill(pad, float("-inf")).softmax(-1).view(b, hq, n)
+
+
+def top_keep(scores: torch.Tensor, budget: int, window: int, n: int) -> list[torch.Tensor]:
+    """Per head: the `budget` best of the prefix scores [H, n - window] plus the last `window` positions, ascending."""
+    budget = max(0, min(budget, n - window))
+    top = scores.topk(budget, dim=-1).indices if budget > 0 else scores.new_zeros(scores.shape[0], 0).long()
+    recent = torch.arange(n - window, n, device=scores.device).expand(scores.shape[0], window)
+    return list(torch.cat([top, recent], dim=-1).sort(dim=-1).values.unbind(0))
+
+
+class TokenLedger:
+    """Original position (and optionally a running score) of every stored token, per (slot, layer, KV head), in the
+    KV view's storage order, for decode-time eviction: policies `set` a layer once its prefill eviction is done, then
+    `append` each decode token and evict through `drop`, which calls the view and mirrors its move. The token axis
+    grows on demand (doubling), so the ledger is sized by the most tokens any head holds after prefill eviction, not
+    by the prompt or the model's context."""
+
+    def __init__(self, max_seqs: int, num_layers: int, num_kv_heads: int, device: torch.device,
+                 with_scores: bool = False, capacity: int = 256):
+        shape = (max_seqs, num_layers, num_kv_heads, capacity)
+        self.pos = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.score = torch.zeros(shape, dtype=torch.float32, device=device) if with_scores else None
+        self.count = torch.zeros(shape[:3], dtype=torch.int64, device=device)
+
+    def _ensure(self, tokens: int) -> None:
+        cap = self.pos.shape[-1]
+        if tokens <= cap:
+            return
+        grow = max(tokens, 2 * cap) - cap
+        self.pos = torch.nn.functional.pad(self.pos, (0, grow))
+        if self.score is not None:
+            self.score = torch.nn.functional.pad(self.score, (0, grow))
+
+    def reset(self, slot: int) -> None:
+        self.count[slot] = 0
+
+    def set(self, slot: int, layer: int, pos: torch.Tensor, score: torch.Tensor | None = None) -> None:
+        """The layer's tokens after prefill (and its eviction): positions [Hkv, m] in storage order, score [Hkv, m]."""
+        m = pos.shape[-1]
+        self._ensure(m)
+        self.pos[slot, layer, :, :m] = pos.to(self.pos)
+        if self.score is not None:
+            self.score[slot, layer, :, :m] = score.float()
+        self.count[slot, layer] = m
+
+    def append(self, slots: torch.Tensor, layer: int, positions: torch.Tensor,
+               score: torch.Tensor | None = None) -> None:
+        """One decode token appended to every head of each slot (positions [B]; score [B, Hkv])."""
+        s = slots.long()
+        cnt = self.count[s, layer]                                          # [B, Hkv]
+        self._ensure(int(cnt.max()) + 1)
+        heads = torch.arange(cnt.shape[1], device=cnt.device).expand_as(cnt)
+        ss = s.view(-1, 1).expand_as(cnt)
+        self.pos[ss, layer, heads, cnt] = positions.to(self.pos).view(-1, 1).expand_as(cnt)
+        if self.score is not None:
+            self.score[ss, layer, heads, cnt] = score.float()
+        self.count[s, layer] += 1
+
+    def view(self, slots: torch.Tensor, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [B, Hkv, n], counts [B, Hkv]) of the listed slots, in storage order."""
+        s = slots.long()
+        return self.pos[s, layer, :, :n].long(), self.count[s, layer]
+
+    def drop(self, kv, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
+        """kv.drop_tokens (the head's last token moves into the hole), mirrored here."""
+        if slots.numel() == 0:
+            return
+        kv.drop_tokens(slots, layer, heads, index)
+        s, h, i = slots.long(), heads.long(), index.long()
+        last = self.count[s, layer, h] - 1
+        self.pos[s, layer, h, i] = self.pos[s, layer, h, last]
+        if self.score is not None:
+            self.score[s, layer, h, i] = self.score[s, layer, h, last]
+        self.count[s, layer, h] = last

@@ -1,0 +1,186 @@
+"""LServe-style: streaming KV heads keep sink + local pages only, retrieval heads read Quest-selected 64-token pages.
+
+Follows mit-han-lab/omniserve (methods.md §11). Storage pages are the engine's 16-token pages (LServe's logical
+pages); a physical page of 64 tokens is a selection unit of 4 adjacent logical pages, scoring the max of theirs.
+Retrieval heads: every page while the sequence holds <= budget tokens, else the top k - 1 physical pages among all
+but the most recent one plus that one, k = min(max(3, budget // 64), pages); the choice is recomputed when
+seq_len % reuse_interval == 0 (or on a head's first sparse step) and reused otherwise, always with the current
+last physical page. Streaming heads keep pages 0 .. sink/16 - 1 and the last local/16 + 1 pages (the partial page
+counted, as `dec_local_block = 256/64 + 1`); every other page's device block is freed after prefill and as the
+window slides, and never read again.
+
+Head split: DuoAttention gates are not available for every model, so the project profiles a proxy (see
+harness/experiments/head_stability.py): per KV head, the share of decode attention mass that falls outside the
+sink + local window (max over the head's query group, mean over steps) on profiling samples; high = retrieval. As
+in LServe, a global quantile at `sparsity` (tiny seeded noise breaks ties) splits the heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from systems.policies import profiles, selection
+from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+
+
+@dataclass
+class LServe(Policy):
+    budget: int = 4096              # tokens per step and retrieval head (dynamic_sparse_token_budget)
+    page_size: int = 16             # logical page (sub_chunk of a physical page); must equal engine.page_size
+    physical_page: int = 64         # block_size: the selection unit, sub_chunk_per_block = 64 / 16 = 4
+    sink_tokens: int = 128          # --dec-sink-token
+    local_tokens: int = 256         # --dec-local-token
+    reuse_interval: int = 4         # selector_update_interval
+    sparsity: float = 0.5           # --static-sparsity: share of KV heads that stream
+    profile_model: str = "smollm2-135m-instruct"
+    profile_task: str = "needlebench_mrt"
+    profile: str | None = None      # explicit profile file (overrides profile_model / profile_task)
+    streaming_heads: list | None = None   # explicit [[layer, head], ...] (overrides any profile)
+
+    name = "lserve"
+
+    def __post_init__(self) -> None:
+        p = self.page_size
+        if p <= 0 or self.physical_page % p or self.sink_tokens % p or self.local_tokens % p:
+            raise ValueError(f"lserve: physical_page, sink_tokens and local_tokens must be multiples of page_size="
+                             f"{p}, got {self.physical_page}, {self.sink_tokens}, {self.local_tokens}")
+        if self.budget <= 0 or self.budget % self.physical_page:
+            raise ValueError(f"lserve: budget must be a positive multiple of physical_page={self.physical_page}, "
+                             f"got {self.budget}")
+        if not 0.0 <= self.sparsity <= 1.0 or self.reuse_interval < 1:
+            raise ValueError(f"lserve: need 0 <= sparsity <= 1 and reuse_interval >= 1, got {self.sparsity}, "
+                             f"{self.reuse_interval}")
+        if self.streaming_heads is not None:
+            self.streaming_heads = [[int(x) for x in pair] for pair in self.streaming_heads]
+        elif not Path(self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)).is_file():
+            raise ValueError(f"lserve: no profile of {self.profile_model!r} on {self.profile_task!r} "
+                             f"({self.profile or 'shipped'}); run `python -m harness +exp=head_stability "
+                             f"exp.params.ship=true` or set params.streaming_heads")
+
+    # ---- setup ---------------------------------------------------------------------------------------------------
+    def bind(self, kv: KVView) -> None:
+        if kv.page_size != self.page_size:
+            raise ValueError(f"lserve: params.page_size={self.page_size} but engine.page_size={kv.page_size}; "
+                             f"set both to the same value")
+        super().bind(kv)
+        self.streaming = torch.zeros(kv.num_layers, kv.num_kv_heads, dtype=torch.bool)
+        for layer, head in self._streaming_list(kv):
+            self.streaming[layer, head] = True
+        self._streaming_dev = self.streaming.to(kv.device)
+        self.sub = self.physical_page // self.page_size
+        self.sink_pages, self.local_pages = self.sink_tokens // self.page_size, self.local_tokens // self.page_size
+        slots, phys = kv.block_table.shape[0], -(-kv.max_pages // self.sub)
+        self._chosen = torch.zeros(slots, kv.num_layers, kv.num_kv_heads, phys, dtype=torch.bool, device=kv.device)
+        self._has_choice = torch.zeros(slots, kv.num_layers, dtype=torch.bool, device=kv.device)
+
+    def _streaming_list(self, kv: KVView) -> list[tuple[int, int]]:
+        if self.streaming_heads is not None:
+            return profiles.head_list(self.streaming_heads, kv.num_layers, kv.num_kv_heads, "lserve")
+        path = self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)
+        prof = profiles.load_profile(path, "lserve")
+        scores = torch.tensor(prof["head_scores"], dtype=torch.float64)
+        if tuple(scores.shape) != (kv.num_layers, kv.num_kv_heads):
+            raise ValueError(f"lserve profile {path} scores {tuple(scores.shape)} heads, the model has "
+                             f"{kv.num_layers} x {kv.num_kv_heads}; profile this model")
+        return streaming_split(scores, self.sparsity)
+
+    def _kept_pages(self, pages: int) -> int:
+        return min(pages, self.sink_pages + self.local_pages + 1)
+
+    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        pages = -(-prompt_len // self.page_size)
+        n_stream = self.streaming.sum(-1)
+        settled = int(((self.num_kv_heads - n_stream) * pages + n_stream * self._kept_pages(pages)).sum())
+        return settled + int(n_stream.max()) * (pages - self._kept_pages(pages))
+
+    def reset(self, slot: int) -> None:
+        if hasattr(self, "_has_choice"):
+            self._has_choice[slot] = False
+
+    # ---- streaming heads: sink + sliding local window --------------------------------------------------------------
+    def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        heads = self._streaming_dev[layer].nonzero().view(-1)
+        n_pages = -(-int(kv.num_tokens[seq.slot, layer, 0]) // kv.page_size)
+        if heads.numel() == 0 or n_pages - 1 - self.local_pages <= self.sink_pages:
+            return
+        drop = torch.arange(self.sink_pages, n_pages - 1 - self.local_pages, device=kv.device)
+        hh, pp = heads.repeat_interleave(drop.numel()), drop.repeat(heads.numel())
+        kv.release_device_pages(torch.full_like(hh, seq.slot), torch.full_like(hh, layer), hh, pp)
+
+    def after_append(self, kv: KVView, step: DecodeStep) -> None:
+        heads = self._streaming_dev[step.layer].nonzero().view(-1)
+        if heads.numel() == 0:
+            return
+        last = (kv.num_tokens[step.slots][:, step.layer, heads].long() - 1) // kv.page_size      # [B, s]
+        old = last - 1 - self.local_pages                                # the page that just left the window
+        b, j = (old >= self.sink_pages).nonzero(as_tuple=True)
+        s, h, page = step.slots[b], heads[j], old[b, j]
+        live = kv.block_table[s, step.layer, h, page] != 0
+        kv.release_device_pages(s[live], torch.full_like(s[live], step.layer), h[live], page[live])
+
+    # ---- selection -------------------------------------------------------------------------------------------------
+    def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
+        layer, slots = step.layer, step.slots
+        counts = kv.num_tokens[slots, layer]
+        num_pages = selection.pages_of(counts, kv.page_size)                                  # [B, Hkv]
+        width = int(num_pages.max())
+        valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
+        read = (kv.block_table[slots, layer, :, :width] != 0) & valid   # streaming heads: what they still hold
+        heads = (~self._streaming_dev[layer]).nonzero().view(-1)
+        sparse = counts[:, heads] > self.budget                         # [B, r] retrieval heads past the budget
+        if heads.numel() and bool(sparse.any()):
+            self._refresh(kv, step, heads, num_pages, width)
+            wp = -(-width // self.sub)
+            phys = self._chosen[slots, layer][:, heads, :wp].clone()                           # [B, r, wp]
+            last_phys = (num_pages[:, heads] - 1) // self.sub
+            phys.scatter_(-1, last_phys.unsqueeze(-1), True)
+            logical = phys.repeat_interleave(self.sub, dim=-1)[..., :width] & valid[:, heads]
+            read[:, heads] = torch.where(sparse.unsqueeze(-1), logical, read[:, heads])
+        if bool((read == valid).all()):
+            return None
+        return selection.compact(read)
+
+    def _refresh(self, kv: KVView, step: DecodeStep, heads, num_pages, width) -> None:
+        """Recompute the physical-page choice of the rows whose reuse period is over."""
+        layer = step.layer
+        due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]
+        stale = (~self._has_choice[step.slots, layer]).nonzero().view(-1).tolist()
+        rows = sorted(set(due) | set(stale))
+        if not rows:
+            return
+        r = torch.tensor(rows, device=kv.device)
+        G = kv.num_q_heads // kv.num_kv_heads
+        q = step.q[r].view(len(rows), kv.num_kv_heads, G, -1)[:, heads].reshape(len(rows), -1, kv.head_dim)
+        s, h = step.slots[r].view(-1, 1), heads.view(1, -1)
+        n_log = num_pages[r][:, heads]
+        scores = selection.page_scores(q, kv.kmin[s, layer, h, :width], kv.kmax[s, layer, h, :width], n_log)
+        wp = -(-width // self.sub)
+        pad = wp * self.sub - width
+        phys = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(*scores.shape[:2], wp, self.sub)
+        n_phys = -(-n_log // self.sub)
+        k = max(3, self.budget // self.physical_page)
+        chosen = selection.topk_with_last(phys.amax(-1), n_phys, k)
+        mask = torch.zeros(len(rows), heads.numel(), self._chosen.shape[-1], dtype=torch.bool, device=kv.device)
+        mask[..., :wp] = selection.as_mask(chosen, wp)
+        self._chosen[s, layer, h] = mask
+        self._has_choice[step.slots[r], layer] = True
+
+    def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
+        stats = super().kv_stats(kv, seq)
+        stats.update(streaming_heads=int(self.streaming.sum()),
+                     retrieval_heads=int((~self.streaming).sum()), budget_tokens=self.budget)
+        return stats
+
+
+def streaming_split(scores: torch.Tensor, sparsity: float, seed: int = 0) -> list[tuple[int, int]]:
+    """LServe's split: heads below the global `sparsity` quantile of scores (+ uniform noise in [0, 1e-6]) stream."""
+    noise = torch.rand(scores.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1e-6
+    noisy = scores.double() + noise
+    threshold = torch.quantile(noisy.flatten(), sparsity)
+    return [(int(layer), int(head)) for layer, head in (noisy < threshold).nonzero().tolist()]
+
+
+POLICY = LServe

@@ -1,0 +1,81 @@
+"""Project-made head profiles (FlexiCache unstable heads, LServe streaming heads): file names, JSON I/O, lookup.
+
+A profile is one small JSON file named `<kind>__<model>__<task>.json` in this folder (shipped with the package) or
+anywhere on disk (pass a path). `find_profile` applies FlexiCache's leave-one-out rule: the task under evaluation is
+never served by a profile made on that same task.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+PROFILE_DIR = Path(__file__).resolve().parent
+REQUIRED = {
+    "flexicache": ("model", "task", "K", "W", "page_size", "num_layers", "num_kv_heads", "unstable_heads",
+                   "head_stats"),
+    "lserve": ("model", "task", "proxy", "num_layers", "num_kv_heads", "head_scores"),
+}
+
+
+def profile_path(kind: str, model: str, task: str, folder: Path | str = PROFILE_DIR) -> Path:
+    return Path(folder) / f"{kind}__{model}__{task}.json"
+
+
+def save_profile(path: Path | str, profile: dict[str, Any]) -> Path:
+    kind = profile.get("kind")
+    if kind not in REQUIRED:
+        raise ValueError(f"profile kind {kind!r} unknown; use one of {sorted(REQUIRED)}")
+    missing = [k for k in REQUIRED[kind] if k not in profile]
+    if missing:
+        raise ValueError(f"{kind} profile lacks {missing}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path: Path | str, kind: str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{kind} profile {path} not found; run `python -m harness +exp=head_stability` or pass "
+                         f"an existing file")
+    profile = json.loads(path.read_text())
+    if profile.get("kind") != kind:
+        raise ValueError(f"{path} is a {profile.get('kind')!r} profile, expected {kind!r}")
+    missing = [k for k in REQUIRED[kind] if k not in profile]
+    if missing:
+        raise ValueError(f"{path}: {kind} profile lacks {missing}; regenerate it")
+    return profile
+
+
+def find_profile(kind: str, model: str, tasks: Sequence[str], heldout_task: str | None = None,
+                 folder: Path | str = PROFILE_DIR) -> Path:
+    """The first profile of `model` among `tasks` (preference order) that was not made on heldout_task or a variant
+    of it (one name extends the other after '_', e.g. needlebench_srt and needlebench_srt_quick)."""
+    allowed = [t for t in tasks if not (heldout_task and same_task(t, heldout_task))]
+    for task in allowed:
+        path = profile_path(kind, model, task, folder)
+        if path.is_file():
+            return path
+    shipped = sorted(p.name for p in Path(folder).glob(f"{kind}__{model}__*.json"))
+    raise ValueError(f"no {kind} profile of model {model!r} for tasks {allowed} (held-out task {heldout_task!r}); "
+                     f"shipped: {shipped or 'none'}; set params.profile_tasks or params.profile")
+
+
+def same_task(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + "_") or b.startswith(a + "_")
+
+
+def head_list(heads: Any, num_layers: int, num_kv_heads: int, what: str) -> list[tuple[int, int]]:
+    """Validate a list of [layer, head] pairs against the model's shape."""
+    out = []
+    for pair in heads:
+        layer, head = (int(x) for x in pair)
+        if not (0 <= layer < num_layers and 0 <= head < num_kv_heads):
+            raise ValueError(f"{what}: head [{layer}, {head}] outside the model's {num_layers} layers x "
+                             f"{num_kv_heads} KV heads; the profile belongs to another model")
+        out.append((layer, head))
+    return out

@@ -1,0 +1,439 @@
+"""OpenAI-compatible HTTP server over the paged engine: completions and chat (SSE streaming), bounded queue.
+
+    python -m systems.server --policy quest --params '{"budget": 512}' --port 8000   # 127.0.0.1 unless --host
+
+Routes: POST /v1/completions, POST /v1/chat/completions (`stream`, `stream_options.include_usage`, vLLM's
+`ignore_eos`), GET /v1/models, GET /health (JSON counters), GET /metrics (Prometheus text).
+
+One background thread owns the engine (it is not thread-safe): it takes new requests and aborts from an inbox,
+steps while any request exists, and hands each step's new tokens to the request's asyncio queue. Every token
+becomes one SSE chunk, so a client's inter-chunk gaps are the engine's per-token gaps (what vLLM's bench
+measures as ITL); the chunk carrying the last token also carries `finish_reason`.
+
+Overload: the server holds at most max_num_seqs (running slots) + `max_queue` (waiting) requests; beyond that
+it answers 503 with Retry-After instead of growing memory. A client that disconnects (its handler is cancelled,
+or a write fails) has its sequence taken out of the scheduler, freeing its KV blocks, at the engine's next turn.
+Bad bodies get 400 with an OpenAI-style JSON error naming the field, before the request reaches the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from systems.base import GenerationRequest
+from systems.engine.sequence import Status
+from systems.openai_api import ApiError, Detokenizer, Params, parse_body
+
+log = logging.getLogger("kvharness.server")
+FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
+MAX_BODY_BYTES = 16 << 20
+
+
+@dataclass
+class Live:
+    """A request between HTTP and engine: the engine thread posts ('tokens', ids, finish) or ('error', msg)."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: object = None          # the engine's Sequence, set by the engine thread
+    sent: int = 0               # output tokens already posted
+    done: bool = False          # finished, failed or aborted: nothing more will be posted
+
+
+class EngineLoop:
+    """The one thread that drives the engine; all engine access happens on it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: dict[str, Live] = {}
+        self._stop = False
+        self.last_error = ""      # the latest failed step: its requests got a 500, the loop kept serving
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, live: Live) -> None:
+        self._inbox.put(("add", live))
+        self._wake.set()
+
+    def abort(self, live: Live) -> None:
+        self._inbox.put(("abort", live))
+        self._wake.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def _post(self, live: Live, event: tuple) -> None:
+        try:
+            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+        except RuntimeError:      # the HTTP loop is gone (shutdown): nobody is listening
+            pass
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.scheduler.has_work():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                for live in list(self._live.values()):
+                    self._post(live, ("error", self.last_error))
+                    self._drop(live)
+                continue
+            self._publish()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, live = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self._drop(live)
+                continue
+            try:
+                live.seq = self.engine.add_request(live.request, arrival_time=live.request.arrival_time)
+            except Exception as exc:  # noqa: BLE001 - the request is refused, the engine is untouched
+                self._post(live, ("error", f"{type(exc).__name__}: {exc}"))
+                continue
+            self._live[live.request.request_id] = live
+
+    def _publish(self) -> None:
+        for rid, live in list(self._live.items()):
+            seq = live.seq
+            n = seq.num_output_tokens
+            finished = seq.status is Status.FINISHED
+            if n > live.sent or finished:
+                ids = seq.token_ids[seq.num_prompt_tokens + live.sent:seq.num_prompt_tokens + n]
+                live.sent = n
+                self._post(live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None))
+            if finished:
+                del self._live[rid]
+
+    def _drop(self, live: Live) -> None:
+        """Take a sequence out of the engine wherever it is, freeing its KV blocks."""
+        # TODO(engine): replace with Engine.abort(request_id) once the engine exposes it.
+        self._live.pop(live.request.request_id, None)
+        seq = live.seq
+        if seq is None or seq.status is Status.FINISHED:
+            return
+        sched = self.engine.scheduler
+        if seq.status is Status.WAITING:
+            sched.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        else:
+            sched.finish(seq)
+        seq.finish_reason = "abort"
+
+
+class OpenAIServer:
+    """The HTTP side: validation, admission (bounded queue), SSE framing, counters."""
+
+    def __init__(self, system, model_name: str, max_queue: int = 64, retry_after_s: int = 1):
+        if max_queue < 0:
+            raise ValueError(f"max_queue={max_queue} must be >= 0")
+        self.system, self.model_name = system, model_name
+        self.tokenizer = system.tokenizer
+        self.engine = system.engine
+        self.max_queue, self.retry_after_s = max_queue, retry_after_s
+        self.loop = EngineLoop(self.engine)
+        self.in_flight = 0
+        # Requests not yet admitted count as waiting only beyond the running slots, so a burst fills both.
+        self.capacity = self.engine.scheduler.max_num_seqs + max_queue
+        self.counts = {"received": 0, "completed": 0, "rejected": 0, "invalid": 0, "failed": 0, "aborted": 0}
+        self.started = time.time()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics)])
+        app.on_startup.append(self._start_engine)
+        app.on_cleanup.append(self._stop_engine)
+        return app
+
+    async def _start_engine(self, app: web.Application) -> None:
+        self.loop.start()
+
+    async def _stop_engine(self, app: web.Application) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+
+    # --- info routes -------------------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "kvharness",
+             "max_model_len": self.engine.max_model_len}]})
+
+    def snapshot(self) -> dict:
+        kv = self.engine.kv
+        return {"status": "ok" if self.loop.healthy else "error", "model": self.model_name,
+                "policy": type(self.engine.policy).__name__, "requests": dict(self.counts),
+                "running": self.loop.num_running(), "waiting": max(self.in_flight - self.loop.num_running(), 0),
+                "max_queue": self.max_queue, "last_error": self.loop.last_error,
+                "kv": {"device_blocks_free": kv.free_device_blocks(),
+                       "device_blocks_total": kv.device_blocks.capacity}}
+
+    async def health(self, request: web.Request) -> web.Response:
+        snap = self.snapshot()
+        return web.json_response(snap, status=200 if self.loop.healthy else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        snap = self.snapshot()
+        lines = []
+        for key, value in snap["requests"].items():
+            lines += [f"# TYPE kvharness_requests_{key}_total counter", f"kvharness_requests_{key}_total {value}"]
+        for key in ("running", "waiting"):
+            lines += [f"# TYPE kvharness_requests_{key} gauge", f"kvharness_requests_{key} {snap[key]}"]
+        for key, value in snap["kv"].items():
+            lines += [f"# TYPE kvharness_kv_{key} gauge", f"kvharness_kv_{key} {value}"]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    # --- generation routes -------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        self.counts["received"] += 1
+        try:
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise ApiError("the request body is not valid JSON; send a JSON object") from None
+            params = parse_body(body, chat, self.tokenizer, self.engine, self.model_name)
+        except ApiError as err:
+            self.counts["invalid"] += 1
+            return err.response()
+        if self.in_flight >= self.capacity:
+            self.counts["rejected"] += 1
+            return ApiError(f"server overloaded: {self.max_queue} requests already wait; retry later",
+                            status=503, kind="server_overloaded").response(
+                headers={"Retry-After": str(self.retry_after_s)})
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        live = Live(GenerationRequest(
+            request_id=rid, prompt_token_ids=params.prompt_ids, max_new_tokens=params.max_tokens,
+            temperature=params.temperature, top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos,
+            stop=params.stop, arrival_time=arrival), asyncio.get_running_loop())
+        self.in_flight += 1
+        self.loop.submit(live)
+        outcome = "aborted"          # unless the response is written to the end (or the engine fails it)
+        try:
+            resp, outcome = await (self._stream(request, live, params, chat) if params.stream
+                                   else self._collect(live, params, chat))
+            return resp
+        except ConnectionError:      # the client went away mid-write
+            return web.Response(status=499)
+        finally:
+            self.in_flight -= 1
+            self.counts[outcome] += 1
+            if not live.done:
+                self.loop.abort(live)
+
+    async def _events(self, live: Live, detok: Detokenizer):
+        """(text delta, finish_reason or None) per engine step; raises ApiError on an engine failure."""
+        while True:
+            event = await live.events.get()
+            if event[0] == "error":
+                live.done = True
+                raise ApiError(f"generation failed: {event[1]}", status=500, kind="internal_error")
+            _, ids, engine_finish = event
+            delta = detok.push(ids, final=engine_finish is not None)
+            finish = "stop" if detok.stopped else engine_finish
+            yield delta, finish
+            if finish is not None:
+                live.done = True
+                if engine_finish is None:      # a stop string the engine has not acted on yet
+                    self.loop.abort(live)
+                return
+
+    def _usage(self, live: Live, detok: Detokenizer) -> dict:
+        prompt = len(live.request.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": len(detok.ids), "total_tokens": prompt + len(detok.ids)}
+
+    def _chunk(self, live: Live, chat: bool, choices: list, usage: dict | None = None) -> bytes:
+        body = {"id": live.request.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+    async def _stream(self, request: web.Request, live: Live, params: Params, chat: bool) -> web.StreamResponse:
+        detok = Detokenizer(self.tokenizer, params.stop)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        first = True
+        try:
+            async for delta, finish in self._events(live, detok):
+                if chat:
+                    message = {"role": "assistant", "content": delta} if first else {"content": delta}
+                    choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+                first = False
+                await resp.write(self._chunk(live, chat, [choice]))
+        except ApiError as err:
+            await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp, "failed"
+        if params.include_usage:
+            await resp.write(self._chunk(live, chat, [], self._usage(live, detok)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp, "completed"
+
+    async def _collect(self, live: Live, params: Params, chat: bool) -> web.Response:
+        detok = Detokenizer(self.tokenizer, params.stop)
+        parts, finish = [], None
+        try:
+            async for delta, finish in self._events(live, detok):
+                parts.append(delta)
+        except ApiError as err:
+            return err.response(), "failed"
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish} if chat else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        return web.json_response({
+            "id": live.request.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model_name, "choices": [choice],
+            "usage": self._usage(live, detok)}), "completed"
+
+
+# --- running it ----------------------------------------------------------------------------------------------------
+@dataclass
+class RunningServer:
+    """A server on its own event-loop thread inside this process (tests, notebooks); `close()` stops it."""
+
+    url: str
+    server: OpenAIServer
+    runner: web.AppRunner
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    def close(self) -> None:
+        if not self.thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> "RunningServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
+                    retry_after_s: int = 1) -> RunningServer:
+    """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread."""
+    server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, host, port).start())
+    bound_host, bound_port = runner.addresses[0][:2]
+    thread = threading.Thread(target=loop.run_forever, name="http-loop", daemon=True)
+    thread.start()
+    return RunningServer(f"http://{bound_host}:{bound_port}", server, runner, loop, thread)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m systems.server", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="local HF safetensors folder (default: the embedded SmolLM2 checkpoint)")
+    p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
+    p.add_argument("--policy", default="dense", help="module name in systems/policies")
+    p.add_argument("--params", default="{}", help="policy hyperparameters as JSON, e.g. '{\"budget\": 512}'")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you open it on purpose)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float32")
+    p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which the server answers 503")
+    p.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503")
+    for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
+                       ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
+        p.add_argument(f"--{flag}", type=kind, help="engine setting (default: the engine's)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from types import SimpleNamespace
+
+    from systems.registry import SystemConfigError, check_policy
+
+    try:
+        params = json.loads(args.params)
+        if not isinstance(params, dict):
+            raise ValueError("not an object")
+    except ValueError as exc:
+        print(f"error: --params must be a JSON object such as '{{\"budget\": 512}}' ({exc})", file=sys.stderr)
+        return 2
+    if args.max_queue < 0 or not 0 < args.port < 65536:
+        print("error: --max-queue must be >= 0 and --port in 1..65535", file=sys.stderr)
+        return 2
+    try:
+        check_policy(args.policy, params)       # a typo costs a second, not a model load
+    except SystemConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.model is None:
+        from harness.assets import model_dir   # CLI convenience only; the library never reaches into harness
+        args.model = str(model_dir())
+    from pathlib import Path
+
+    from systems.engine.system import EngineSystem
+
+    if not (Path(args.model) / "config.json").is_file():
+        print(f"error: --model {args.model} has no config.json; pass a local HF safetensors folder", file=sys.stderr)
+        return 2
+    engine_cfg = SimpleNamespace(**{k: v for k, v in (
+        ("page_size", args.page_size), ("device_memory_gb", args.device_memory_gb),
+        ("host_memory_gb", args.host_memory_gb), ("max_num_seqs", args.max_num_seqs),
+        ("max_num_batched_tokens", args.max_num_batched_tokens), ("threads", args.threads)) if v is not None})
+    name = args.served_model_name or Path(args.model).resolve().name
+    system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype,
+                          name=f"engine-{args.policy}", max_model_len=args.max_model_len)
+    server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log.info("serving %s (policy %s %s) on http://%s:%d", name, args.policy, params, args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, access_log=None,
+                print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

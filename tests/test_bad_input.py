@@ -1,0 +1,153 @@
+"""Bad input: a one-line error naming the fix, raised before any model loads, with the store untouched."""
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from harness.runner import CONF_DIR, USER_ERRORS, resolve_cells, validate
+from harness.schema import register
+from systems.registry import SystemConfigError
+
+register()
+
+# (overrides, a phrase the message must contain) — each must fail in composition or validation.
+CASES = [
+    (["system=nosuch"], "nosuch"),                                          # unknown system name
+    (["task=nosuch"], "nosuch"),                                            # unknown task name
+    (["model=nosuch"], "nosuch"),                                           # unknown model name
+    (["+exp=nosuch"], "nosuch"),                                            # unknown experiment
+    (["system.batch_size=many"], "many"),                                   # wrong type
+    (["seed=1.5"], "seed"),
+    (["model.max_model_len=big"], "big"),
+    (["system.batchsize=2"], "batchsize"),                                  # misspelled key
+    (["+system.engine.pagesize=8"], "pagesize"),                            # appended unknown key
+    (["+model.dtyp=float32"], "dtyp"),
+    (["+exp=quickstart", "exp.systems=[nosuch]"], "nosuch"),
+    (["+exp=quickstart", "exp.kind=nosuch"], "exp.kind"),
+    (["system.backend=tpu"], "backend"),
+    (["system.batch_size=0"], "batch_size"),
+    (["system=dense", "system.policy=nosuch"], "nosuch"),                   # unknown policy
+    (["system=quest", "+system.params.budgte=512"], "budgte"),              # unknown policy param
+    (["system=quest", "system.params.budget=0"], "budget"),                 # budget <= 0
+    (["system=cake", "system.params.budget=-5"], "budget"),
+    (["system=snapkv", "system.params.budget=100000"], "exceeds the context"),   # budget > context
+    (["system=quest", "system.params.budget=1000"], "does not divide"),     # page size must divide budget
+    (["system=flexicache", "system.params.budget=250"], "does not divide"),
+    (["system=quest", "system.params.page_size=32"], "engine.page_size"),
+    (["system=hf", "system.policy=quest"], "backend"),                      # hf runs dense only
+    (["task.family=nosuch"], "unknown task family"),
+    (["+task.params.lenghts=[1]"], "lenghts"),                              # unknown task param
+    (["task.limit=0"], "task.limit"),
+    (["task.fraction=1.5"], "task.fraction"),
+    (["task.params.mode=bogus"], "mode"),
+    (["task.params.lengths=[-5]"], "lengths"),
+    (["task=recall", "task.params.passage_tokens=[5000]"], "passage_tokens"),
+    (["model.max_input_tokens=9000"], "max_input_tokens"),
+    (["model.path=/nonexistent/model"], "model.path"),
+    (["task=longbench_qasper", "task.params.on_malformed=maybe"], "on_malformed"),
+]
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _check_model_path(cfg):
+    from harness.assets import model_dir
+    if cfg.model.path:
+        model_dir(cfg.model.path)
+
+
+@pytest.mark.parametrize("overrides, phrase", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_config_fails_in_one_line(overrides, phrase, tmp_path):
+    with pytest.raises((ConfigCompositionException, *USER_ERRORS, SystemConfigError, ValueError)) as info:
+        cfg = _compose([*overrides, f"results_dir={tmp_path}"])
+        validate(cfg, resolve_cells(cfg))
+        _check_model_path(cfg)
+    exc = info.value
+    text = str(exc) + str(getattr(exc, "__cause__", "") or "")
+    assert phrase in text, text
+    assert not any(tmp_path.iterdir())
+
+
+def test_enough_cases():
+    assert len(CASES) >= 30
+
+
+def test_prompt_too_long_with_truncation_off():
+    from harness.prompts import render_all
+    from tasks.base import Sample, TaskError
+
+    class Tok:
+        bos_token_id = None
+        def encode(self, text, add_special_tokens=False):
+            return list(range(len(text.split())))
+    s = Sample(id="x", prompt="word " * 50, answers=("a",), max_new_tokens=4, truncation="none", chat_template=False)
+    with pytest.raises(TaskError, match="max_input_tokens"):
+        render_all([s], Tok(), max_input_tokens=10, max_model_len=100)
+
+
+def test_device_pool_too_small_names_the_size(tiny_llama_dir):
+    from omegaconf import OmegaConf
+
+    from harness.schema import SystemConfig
+    from systems.registry import check_capacity
+    sys_cfg = OmegaConf.merge(OmegaConf.structured(SystemConfig),
+                              {"name": "engine-dense", "backend": "engine", "engine": {"device_memory_gb": 1e-5}})
+    with pytest.raises(SystemConfigError, match=r"set engine.device_memory_gb >= [0-9.]+"):
+        check_capacity(sys_cfg, tiny_llama_dir, 4, prompt_len=1500, max_new_tokens=16, max_model_len=2048)
+
+
+def test_missing_vllm_backend_names_the_fix(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_vllm(name, *a, **k):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    from systems.vllm import VLLMSystem
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(Exception) as info:
+        VLLMSystem(str(tmp_path))
+    assert "vllm" in str(info.value).lower() and "install" in str(info.value).lower()
+
+
+def test_unreachable_hub_names_the_key(monkeypatch):
+    from tasks.base import TaskError, load_task
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    task = load_task("longbench", "lb", {"datasets": ["qasper"]})
+    with pytest.raises(TaskError, match="data_dir"):
+        task.samples(None)
+
+
+def test_corrupted_model_cache_is_detected(tmp_path):
+    from harness.assets import MARKER, _fingerprint, is_verified
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 100)
+    (folder / MARKER).write_text(json.dumps({"files": _fingerprint(folder)}))
+    assert is_verified(folder)
+    (folder / "model.safetensors").write_bytes(b"x" * 99)   # truncated download / partial write
+    assert not is_verified(folder)
+    (folder / MARKER).unlink()                              # interrupted before verification
+    assert not is_verified(folder)
+
+
+@pytest.mark.parametrize("mode", ["skip", "fail"])
+def test_malformed_rows_skip_or_fail(tmp_path, mode):
+    from tasks.base import TaskError, load_task
+    good = {"input": "q?", "context": "ctx", "answers": ["a"], "length": 10, "dataset": "qasper",
+            "language": "en", "all_classes": None, "_id": "1"}
+    (tmp_path / "qasper.jsonl").write_text(json.dumps(good) + "\n" + '{"input": 3}\n' + "not json\n")
+    task = load_task("longbench", "lb", {"datasets": ["qasper"], "data_dir": str(tmp_path), "on_malformed": mode})
+    if mode == "fail":
+        with pytest.raises(TaskError):
+            task.samples(None)
+    else:
+        assert len(task.samples(None)) == 1

@@ -1,0 +1,87 @@
+"""Each experiment end to end at toy scale on the tiny random model: cells run, summary.md / .csv / PNGs appear."""
+import csv
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.runner import CONF_DIR, run
+from harness.schema import register
+
+register()  # the structured config schema `python -m harness` registers on import
+
+TOY = ["model.dtype=float32", "model.max_input_tokens=1000", "model.max_model_len=2048", "progress=false"]
+SRT = "needlebench_srt:{lengths:[300],depths:[50],max_new_tokens:4}"
+
+
+def _run(exp: str, model_dir, results, *overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+exp={exp}", f"model.path={model_dir}",
+                                                       f"results_dir={results}", *TOY, *overrides])
+    out = run(cfg)
+    folder = results / cfg.exp.name
+    md = (folder / "summary.md").read_text()
+    assert md.startswith(f"# {cfg.exp.name}") and "**At a glance:**" in md and "Regenerate: `" in md
+    with open(folder / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows
+    return out, md, rows, sorted(p.name for p in folder.glob("*.png"))
+
+
+def test_accuracy_retention_end_to_end(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,snapkv]",
+                             "exp.tasks=[needlebench_srt]", "exp.params.budget=64",
+                             f"exp.params.task_params={{{SRT}}}")
+    assert "## Retention" in md and pngs == ["retention.png"]
+    assert {r["system"] for r in rows} == {"engine-dense", "engine-snapkv"}
+
+
+def test_needlebench_end_to_end_all_modes(tiny_llama_dir, tmp_path):
+    params = (f"exp.params.task_params={{{SRT},needlebench_mrt:{{lengths:[300],depths:[10,50],max_new_tokens:4}},"
+              "needlebench_mrs:{lengths:[300],depths:[10],needle_counts:[2],max_new_tokens:4}}")
+    _, md, rows, pngs = _run("needlebench", tiny_llama_dir, tmp_path, "exp.systems=[dense]", params)
+    assert pngs == ["heatmap_mrs.png", "heatmap_mrt.png", "heatmap_srt.png"]
+    overall = [r for r in rows if r["mode"] == "overall"]
+    assert len(overall) == 1 and overall[0]["v1_overall"] != ""     # all three modes ran: v1 is defined
+
+
+def test_cake_ablation_end_to_end(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("cake_ablation", tiny_llama_dir, tmp_path, "exp.params.budgets=[48]",
+                             "exp.params.allocations=[preference,uniform]", "exp.params.indicators=[mean_plus_var]",
+                             "exp.params.tau1s=[0.5,1.0]", "exp.params.tau2s=[1.0]",
+                             f"exp.params.task_params={{{SRT}}}")
+    studies = sorted(r["study"] for r in rows)
+    # the base point runs once (it is also the indicator study's only point and tau (1, 1)), then uniform,
+    # tau (0.5, 1), and the dense reference
+    assert studies == ["allocation", "allocation", "reference", "tau"]
+    assert "| 1 | " in md and "| 0.5 | " in md                   # both tau rows filled
+    assert {"allocation.png", "indicator.png", "tau_sweep_b48.png"} == set(pngs)
+
+
+@pytest.mark.slow
+def test_memory_end_to_end_matches_analytic(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("memory", tiny_llama_dir, tmp_path, "exp.systems=[dense,streaming,cake,cake_nocascade]",
+                             "exp.params.budget=64", "exp.params.lengths=[300,600]", "exp.params.output_len=4",
+                             "exp.params.warmup=false")
+    assert all(r["matches_analytic"] == "True" for r in rows)
+    peak = {(r["system"], r["length"]): float(r["device_kv_peak_bytes"]) for r in rows}
+    assert peak[("engine-cake", "600")] < peak[("engine-cake-nocascade", "600")]   # cascading bounds prefill
+    assert "cake_prefill_peak.png" in pngs and "device_kv_vs_length.png" in pngs
+
+
+def test_memory_one_length_end_to_end(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("memory", tiny_llama_dir, tmp_path, "exp.systems=[dense,snapkv]", "exp.params.budget=64",
+                             "exp.params.lengths=[300]", "exp.params.output_len=3", "exp.params.warmup=false")
+    assert [r["matches_analytic"] for r in rows] == ["True", "True"]
+    assert pngs == ["device_kv_vs_length.png"]
+
+
+def test_decode_microbench_end_to_end(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("decode_microbench", tiny_llama_dir, tmp_path,
+                             "exp.params.systems=[dense,quest,flexicache,flexicache_naive]", "exp.params.context=256",
+                             "exp.params.budget=64", "exp.params.batch_sizes=[1,2]", "exp.params.steps=4",
+                             "exp.params.warmup=1")
+    assert len(rows) == 8 and pngs == ["latency_vs_batch.png", "speedup_vs_batch.png"]
+    by = {(r["system"], r["batch"]): r for r in rows}
+    assert float(by[("engine-dense", "2")]["pages_read_per_head_step"]) == 17.0     # ceil(256 + 5 tokens / 16)
+    assert float(by[("engine-quest", "2")]["pages_read_per_head_step"]) == 4.0      # budget 64 = 4 pages
+    assert "stability-aware is" in md

@@ -1,0 +1,104 @@
+"""Experiment arithmetic without a model: retention averages, NeedleBench grids, CAKE ablation points, memory bounds."""
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness import plots
+from harness.experiments import accuracy_retention as ar
+from harness.experiments import cake_ablation, memory, needlebench
+
+
+def test_retention_macro_mean_and_ratio_of_means_flag_tiny_reference():
+    scores = {"dense": {"a": 50.0, "b": 20.0, "c": 1.0},
+              "p": {"a": 40.0, "b": 20.0, "c": 3.0}}
+    tab = ar.retention_table(scores, "dense", min_ref=5.0)
+    assert tab["flagged"] == ["c"]                       # dense 1.0 < 5: ratio 3.0 shown but not averaged
+    assert tab["ratios"]["p"]["c"] == pytest.approx(3.0)
+    avg = tab["averages"]["p"]
+    assert avg["macro_retention"] == pytest.approx((0.8 + 1.0) / 2)
+    assert avg["ratio_of_means"] == pytest.approx(60.0 / 70.0)
+    assert avg["units_used"] == 2
+    assert tab["averages"]["dense"]["macro_retention"] == pytest.approx(1.0)
+
+
+def test_unit_scores_split_multi_dataset_tasks():
+    rows = [{"meta": {"dataset": "qasper"}}, {"meta": {"dataset": "trec"}}]
+    m = {"task": "longbench_x", "summary": {"score": 30.0, "qasper": 20.0, "trec": 40.0}}
+    assert ar.unit_scores(m, rows) == {"longbench_x/qasper": 20.0, "longbench_x/trec": 40.0}
+    single = {"task": "needlebench_srt", "summary": {"score": 55.0}}
+    assert ar.unit_scores(single, [{"meta": {"length": 1}}]) == {"needlebench_srt": 55.0}
+
+
+def test_needlebench_length_depth_grid_from_summary():
+    summary = {"score": 50.0, "len1000_depth10": 100.0, "len1000_depth90": 0.0, "len2000_depth10": 50.0,
+               "depth10": 75.0, "len1000": 50.0}
+    lengths, depths, grid = needlebench.length_depth(summary)
+    assert lengths == [1000, 2000] and depths == [10.0, 90.0]
+    assert grid[(1000, 90.0)] == 0.0 and (2000, 90.0) not in grid
+
+
+def test_cake_points_one_factor_studies_and_tau_sweep():
+    p = {**cake_ablation.DEFAULTS, "budgets": [64, 128], "allocations": ["preference", "uniform"],
+         "indicators": ["mean_plus_var", "mean"], "tau1s": [0.5], "tau2s": [0.5, 2.0]}
+    pts = cake_ablation.points(p)
+    per_budget = [x for x in pts if x["budget"] == 64]
+    assert [x["study"] for x in per_budget].count("allocation") == 2
+    assert [x["study"] for x in per_budget].count("indicator") == 2
+    assert {(x["tau1"], x["tau2"]) for x in per_budget if x["study"] == "tau"} == {(0.5, 0.5), (0.5, 2.0)}
+    grid = cake_ablation.points({**p, "full_grid": True, "tau1s": []})
+    assert len(grid) == 2 * 2 * 2 and {x["study"] for x in grid} == {"grid"}
+
+
+def test_cake_alias_rows_answer_for_every_study():
+    row = {"study": "allocation", "allocation": "preference", "indicator": "mean_plus_var", "tau1": None,
+           "tau2": None, "also": ["indicator", "tau"], "tau_alias": [[1.0, 1.0]]}
+    assert cake_ablation._matches(row, "indicator", {"indicator": "mean_plus_var"})
+    assert cake_ablation._matches(row, "tau", {"tau1": 1.0, "tau2": 1.0})
+    assert not cake_ablation._matches(row, "tau", {"tau1": 0.5, "tau2": 1.0})
+
+
+def test_memory_analytic_counts():
+    from systems.policies import load_policy
+    spec = {"layers": 2, "kv_heads": 3, "page_size": 16, "bytes_per_block": 100, "minmax_bytes_per_page": 8}
+    dense = memory.analytic(load_policy("dense", {}), spec, n=100, out=5)
+    assert dense["tokens_held"] == 104
+    assert dense["analytic_device_kv_bytes"] == 2 * 3 * 7 * 100            # ceil(104 / 16) = 7 pages
+    snap = memory.analytic(load_policy("snapkv", {"budget": 64, "window": 8}), spec, n=100, out=5)
+    assert snap["analytic_device_kv_bytes"] == 2 * 3 * 5 * 100             # prefill-only: 64 + 4 decode tokens
+    stream = memory.analytic(load_policy("streaming", {"budget": 64}), spec, n=100, out=5)
+    assert stream["analytic_device_kv_bytes"] == 2 * 3 * 4 * 100           # held at 64 while decoding
+    cake = memory.analytic(load_policy("cake", {"budget": 40, "window": 8, "cascading": False}), spec, n=100, out=5)
+    assert cake["analytic_prefill_peak_bytes"] == 2 * 3 * 7 * 100          # no cascading: the whole prompt
+
+
+def test_variant_names_every_difference():
+    from harness.runner import Cell, load_group
+    from harness.schema import SystemConfig, TaskConfig
+    s, t = load_group("system", "cake", SystemConfig), load_group("task", "needlebench_srt", TaskConfig)
+    v = ar.variant(Cell(s, t, "x"), system_params={"allocation": "uniform"}, task_params={"lengths": [300]})
+    assert v.key.startswith("engine-cake__needlebench_srt__") and "allocation=uniform" in v.key
+    assert "lengths=" in v.key and s.params.allocation == "preference"   # the template is untouched
+
+
+def test_plots_write_png(tmp_path):
+    a = plots.line_plot(tmp_path / "l.png", {"x": [(1, 2.0), (2, math.nan), (4, 3.0)]}, "n (tokens)", "y (MiB)",
+                        "t", dashed={"x": [(1, 2.5), (4, 3.5)]}, logx=True)
+    b = plots.heatmap_grid(tmp_path / "g.png", [("s", [[0.0, 100.0], [math.nan, 50.0]], [1000, 2000], ["10", "90"])],
+                           xlabel="depth (%)", ylabel="length (tokens)", title="t", colorbar="score")
+    c = plots.bar_plot(tmp_path / "b.png", ["a", "b"], {"s": [1.0, math.nan]}, xlabel="x", ylabel="y", title="t",
+                       reference=1.0)
+    for path in (a, b, c):
+        with open(path, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_task_params_must_name_known_tasks():
+    from harness.runner import Cell, UserError, load_group
+    from harness.schema import SystemConfig, TaskConfig
+    cell = Cell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
+    ok = OmegaConf.create({"exp": {"params": {"task_params": {"recall": {"repeats": 2}}}}})
+    assert ar.with_task_params(ok, [cell]) == [cell]          # a known task outside the grid is ignored
+    typo = OmegaConf.create({"exp": {"params": {"task_params": {"needlebench_sr": {"repeats": 2}}}}})
+    with pytest.raises(UserError, match="unknown task"):
+        ar.with_task_params(typo, [cell])

@@ -1,0 +1,87 @@
+"""online_sweep: parameter checks before any server starts, the summary/plots it writes, and a tiny end-to-end run."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+from omegaconf import OmegaConf
+
+from harness.experiments import online_sweep
+from harness.runner import UserError
+from harness.stats import RequestOutput, summarize
+
+
+def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
+    cfg = OmegaConf.create({"exp": {"name": "online_sweep", "params": params}, "seed": 0,
+                            "model": {"max_model_len": max_model_len}})
+    cell = OmegaConf.create({"system": {"name": f"sys-{backend}", "backend": backend}})
+    return cfg, [cell]
+
+
+@pytest.mark.parametrize("params, backend, needle", [
+    ({"ratez": [1]}, "engine", "unknown exp.params"),
+    ({"rates": [0]}, "engine", "rate"),
+    ({"rates": []}, "engine", "empty"),
+    ({"rates": ["fast"]}, "engine", "could not convert"),
+    ({"process": "poisson", "burstiness": 0.5}, "engine", "process=gamma"),
+    ({"process": "zipf"}, "engine", "unknown"),
+    ({"goodput": {"latency": 5}}, "engine", "goodput SLO key"),
+    ({"num_prompts": 0}, "engine", "num_prompts"),
+    ({"input_len": 2000, "output_len": 100}, "engine", "max_model_len"),
+    ({"endpoint": "chat"}, "engine", "completions"),
+    ({}, "hf", "no HTTP server"),
+])
+def test_bad_sweep_settings_fail_before_any_server(params, backend, needle):
+    cfg, cells = fake(params, backend)
+    with pytest.raises(UserError, match=needle):
+        online_sweep.check_params(cfg, cells)
+
+
+def test_defaults_pass_and_rates_become_floats():
+    cfg, cells = fake({"rates": [1, 2]})
+    p = online_sweep.check_params(cfg, cells)
+    assert p["rates"] == [1.0, 2.0] and p["num_prompts"] == online_sweep.DEFAULTS["num_prompts"]
+
+
+def test_summary_has_vllm_keys_per_system_and_rate_and_two_plots(tmp_path):
+    cfg, cells = fake({})
+    p = online_sweep.check_params(cfg, cells)
+    rows = []
+    for system, tpot in (("a", 0.01), ("b", 0.02)):
+        for rate in (1.0, 2.0):
+            outs = [RequestOutput(success=True, prompt_len=8, output_tokens=5, ttft=0.1 * rate, itl=[tpot] * 4,
+                                  latency=0.1 * rate + 4 * tpot, start_time=i) for i in range(3)]
+            rows.append({"system": system, "request_rate": rate, "burstiness": 1.0, "num_prompts": 3,
+                         "input_len": 8, "output_len": 5, **summarize(outs, 3.0)})
+    paths = online_sweep.write_summary(cfg, p, rows, tmp_path)
+    table = list(csv.DictReader(open(paths["csv"])))
+    assert [(r["system"], float(r["request_rate"])) for r in table] == [("a", 1.0), ("a", 2.0), ("b", 1.0),
+                                                                         ("b", 2.0)]
+    for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "completed",
+                "failed", "request_throughput", "output_throughput"):
+        assert key in table[0]
+    assert float(table[2]["mean_tpot_ms"]) == pytest.approx(20.0)
+    md = open(paths["md"]).read()
+    assert "At a glance" in md and "at 2 req/s" in md
+    for key in ("tpot_png", "ttft_png"):
+        assert open(paths[key], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_path):
+    """The real path: Hydra config -> engine server subprocess -> streamed Poisson load -> summary."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "harness", "+exp=online_sweep", "exp.systems=[dense]",
+           f"model.path={tiny_llama_dir}", "model.max_model_len=2048", "model.max_input_tokens=1000",
+           "exp.params.rates=[4,8]", "exp.params.num_prompts=4", "exp.params.input_len=64",
+           "exp.params.output_len=8", f"results_dir={tmp_path}", "progress=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = list(csv.DictReader(open(tmp_path / "online_sweep" / "summary.csv")))
+    assert [int(r["completed"]) for r in table] == [4, 4]
+    assert all(float(r["mean_tpot_ms"]) > 0 and float(r["mean_ttft_ms"]) > 0 for r in table)
+    # A rerun finds every rate on disk and starts no server.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "[start]" not in again.stdout

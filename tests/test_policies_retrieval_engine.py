@@ -1,0 +1,242 @@
+"""Quest, FlexiCache and LServe-style on the engine with a tiny random fp32 model: dense parity at full budget, real
+device memory, admission under a capped pool, promotion = set difference, no block leak."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from systems.base import GenerationRequest
+from systems.engine.engine import Engine
+from systems.policies import load_policy, selection
+
+P = 4                     # page size of the tests: short prompts span many pages
+LAYERS, KV_HEADS = 4, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core box: one thread avoids spin-wait contention (60x faster under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("retrieval_llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+                                 num_attention_heads=4, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+                                 initializer_range=0.2)).save_pretrained(path)
+    return path
+
+
+def _engine(path, policy, blocks=4096, max_num_seqs=4):
+    block_bytes = 2 * P * 8 * 4                                        # K and V, head_dim 8, fp32
+    cfg = SimpleNamespace(page_size=P, device_memory_gb=blocks * block_bytes / 2 ** 30,
+                          host_memory_gb=4096 * block_bytes / 2 ** 30, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=1024)
+    return Engine(str(path), policy, cfg, dtype="float32")
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _generate(engine, prompts, max_new=24):
+    free = (engine.kv.free_device_blocks(), engine.kv.free_host_blocks())
+    seqs = engine.generate([GenerationRequest(str(i), p, max_new, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert (engine.kv.free_device_blocks(), engine.kv.free_host_blocks()) == free   # no block leaked
+    return [s.output_ids for s in seqs], seqs
+
+
+FLEXI = dict(page_size=P, rerank_interval=4, unstable_heads=[[1, 0], [3, 1]])
+
+
+@pytest.mark.parametrize("name,params", [
+    ("quest", dict(budget=512, page_size=P, skip_layers=0)),
+    ("flexicache", dict(budget=512, **FLEXI)),
+    ("flexicache", dict(budget=512, naive=True, **FLEXI)),
+    ("lserve", dict(budget=512, page_size=P, sink_tokens=8, local_tokens=16, streaming_heads=[], physical_page=16)),
+])
+def test_budget_at_least_context_gives_exactly_dense(tiny_dir, name, params):
+    prompts = _prompts([37, 70, 12])
+    dense, _ = _generate(_engine(tiny_dir, load_policy("dense")), prompts)
+    out, seqs = _generate(_engine(tiny_dir, load_policy(name, params)), prompts)
+    assert out == dense
+    assert seqs[0].kv_stats["policy"] == name
+
+
+def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir):
+    policy = load_policy("quest", dict(budget=3 * P, page_size=P, skip_layers=1))
+    engine = _engine(tiny_dir, policy)
+    seen = []
+    select = policy.select_pages
+
+    def spy(kv, step):
+        chosen = select(kv, step)
+        seen.append((step.layer, chosen, selection.pages_of(kv.num_tokens[step.slots, step.layer], P)))
+        return chosen
+    policy.select_pages = spy
+    _generate(engine, _prompts([50, 31]), max_new=6)
+    for layer, chosen, num_pages in seen:
+        if layer < 1:
+            assert chosen is None
+            continue
+        assert chosen is not None and chosen.shape[-1] == 3
+        last = (num_pages - 1).unsqueeze(-1)
+        assert bool((chosen == last).any(-1).all())                    # the last page is always read
+
+
+def _analytic_blocks(policy, pages):
+    n_unstable = int(policy.unstable.sum())
+    return n_unstable * pages + (LAYERS * KV_HEADS - n_unstable) * min(pages, policy.top_k + 1)
+
+
+def test_flexicache_device_blocks_equal_analytic_count(tiny_dir):
+    policy = load_policy("flexicache", dict(budget=2 * P, **FLEXI))
+    engine = _engine(tiny_dir, policy)
+    used0 = engine.kv.device_blocks.num_used
+    seq = engine.add_request(GenerationRequest("a", _prompts([61])[0], 30, ignore_eos=True))
+    engine.step()                                                      # prefill
+    pages = -(-61 // P)
+    assert engine.kv.device_blocks.num_used - used0 == _analytic_blocks(policy, pages)
+    while not engine.step():
+        pages = -(-len(seq.token_ids) // P)
+        used = engine.kv.device_blocks.num_used - used0
+        assert abs(used - _analytic_blocks(policy, pages)) <= LAYERS * KV_HEADS   # within one page per head
+    stats, block = seq.kv_stats, policy.bytes_per_block
+    assert abs(stats["device_kv_bytes"] - stats["analytic_device_kv_bytes"]) <= LAYERS * KV_HEADS * block
+    assert stats["reranks"] >= 30 // 4 and stats["promoted_pages"] == stats["bytes_host_to_device"] // block
+    assert stats["offloaded_pages"] > 0 and stats["minmax_bytes"] > 0
+
+
+def test_capped_pool_admits_more_flexicache_requests_than_dense(tiny_dir):
+    def peak_running(policy):
+        engine = _engine(tiny_dir, policy, blocks=420, max_num_seqs=8)
+        for i, p in enumerate(_prompts([96] * 6)):
+            engine.add_request(GenerationRequest(str(i), p, 4, ignore_eos=True))
+        peak = 0
+        while engine.scheduler.has_work():
+            engine.step()
+            peak = max(peak, len(engine.scheduler.running))
+        return peak
+    dense = peak_running(load_policy("dense"))
+    flexi = peak_running(load_policy("flexicache", dict(budget=2 * P, page_size=P, unstable_heads=[[0, 0]])))
+    assert flexi > dense >= 1
+
+
+def test_a_promotion_moves_exactly_the_set_difference(tiny_dir):
+    policy = load_policy("flexicache", dict(budget=2 * P, **FLEXI))
+    engine = _engine(tiny_dir, policy)
+    kv, records = engine.kv, []
+    swap, promote = policy._swap, kv.promote_pages
+
+    def spy_swap(kv_, step, rows, heads, resident, chosen):
+        records.append({"step": step, "rows": rows, "heads": heads, "resident": resident.clone(),
+                        "chosen": chosen.clone(), "moved": []})
+        swap(kv_, step, rows, heads, resident, chosen)
+        after = kv.block_table[step.slots[rows].view(-1, 1), step.layer, heads.view(1, -1), :chosen.shape[-1]] != 0
+        assert torch.equal(after, chosen)                              # the device now holds exactly the new set
+
+    def spy_promote(slots, layers, heads, pages, recycle=None):
+        records[-1]["moved"] += list(zip(slots.tolist(), heads.tolist(), pages.tolist()))
+        promote(slots, layers, heads, pages, recycle=recycle)
+    policy._swap, kv.promote_pages = spy_swap, spy_promote
+    _generate(engine, _prompts([45, 66]), max_new=20)
+    moved_total = 0
+    for rec in records:
+        want = set()
+        for i, b in enumerate(rec["rows"].tolist()):
+            slot = int(rec["step"].slots[b])
+            for j, h in enumerate(rec["heads"].tolist()):
+                new = rec["chosen"][i, j] & ~rec["resident"][i, j]
+                want |= {(slot, h, int(p)) for p in new.nonzero().view(-1)}
+        assert sorted(rec["moved"]) == sorted(want)
+        moved_total += len(want)
+    assert moved_total > 0                                             # the workload did promote pages
+
+
+@pytest.mark.parametrize("name,params,blocks", [
+    ("flexicache", dict(budget=2 * P, **FLEXI), 130),
+    ("flexicache", dict(budget=3 * P, naive=True, **FLEXI), 110),
+    ("quest", dict(budget=2 * P, page_size=P), 300),
+    ("lserve", dict(budget=4 * P, page_size=P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
+                    streaming_heads=[[0, 1], [2, 0], [3, 1]]), 200),
+])
+def test_no_block_leak_after_a_randomized_workload_with_preemption(tiny_dir, name, params, blocks):
+    rng = random.Random(7)
+    engine = _engine(tiny_dir, load_policy(name, params), blocks=blocks, max_num_seqs=6)
+    free = (engine.kv.free_device_blocks(), engine.kv.free_host_blocks())
+    prompts = _prompts([rng.randint(5, 90) for _ in range(8)], seed=3)
+    reqs = [GenerationRequest(str(i), p, rng.randint(1, 30), ignore_eos=True) for i, p in enumerate(prompts)]
+    seqs = engine.generate(reqs)
+    assert all(s.num_output_tokens == r.max_new_tokens for s, r in zip(seqs, reqs))
+    assert engine.scheduler.num_preemptions > 0                       # the pool was tight enough to preempt
+    assert (engine.kv.free_device_blocks(), engine.kv.free_host_blocks()) == free
+
+
+def test_lserve_streaming_heads_keep_sink_and_window_and_retrieval_heads_read_k_physical_pages(tiny_dir):
+    params = dict(budget=8, page_size=P, physical_page=8, sink_tokens=4, local_tokens=8, reuse_interval=2,
+                  streaming_heads=[[0, 1], [2, 0]])
+    policy = load_policy("lserve", params)
+    engine = _engine(tiny_dir, policy)
+    reads = []
+    select = policy.select_pages
+
+    def spy(kv, step):
+        chosen = select(kv, step)
+        reads.append((step.layer, step.seqs[0].seq_len, chosen))
+        return chosen
+    policy.select_pages = spy
+    seq = engine.add_request(GenerationRequest("a", _prompts([57])[0], 12, ignore_eos=True))
+    while not engine.step():
+        kv = engine.kv
+        for layer, head in ((0, 1), (2, 0)):
+            n = int(kv.num_tokens[seq.slot, layer, head])
+            resident = set((kv.block_table[seq.slot, layer, head, :-(-n // P)] != 0).nonzero().view(-1).tolist())
+            last = (n - 1) // P
+            assert resident == {0} | set(range(last - 2, last + 1))    # 1 sink page + 8/4 local + the last page
+    by_step = {}
+    for layer, seq_len, chosen in reads:
+        if layer == 1 and chosen is not None:                          # a retrieval-only layer, past the budget
+            by_step[seq_len] = {p // 2 for p in chosen[0, 0].tolist() if p >= 0}
+    assert len(by_step) >= 8
+    for seq_len, phys in by_step.items():
+        last = (seq_len - 1) // P // 2
+        if seq_len % 2 == 0:                                           # refresh: max(3, 8 // 8) physical pages
+            assert len(phys) == 3 and last in phys
+        elif seq_len - 1 in by_step:                                   # reuse: the last choice + the newest page
+            assert phys == by_step[seq_len - 1] | {last}
+
+
+def test_bad_params_fail_in_one_line(tiny_dir):
+    with pytest.raises(ValueError, match="engine.page_size"):
+        _engine(tiny_dir, load_policy("quest", dict(page_size=16)))
+    with pytest.raises(ValueError, match="multiple of physical_page"):
+        load_policy("lserve", dict(budget=100))
+    with pytest.raises(ValueError, match="outside the model"):
+        _engine(tiny_dir, load_policy("flexicache", dict(page_size=P, unstable_heads=[[9, 0]])))
+    with pytest.raises(ValueError, match="no flexicache profile"):
+        load_policy("flexicache", dict(page_size=P, profile_model="nope"))
+    with pytest.raises(ValueError, match="lserve: no profile"):
+        load_policy("lserve", dict(profile_model="nope"))
+
+
+def test_naive_reranks_every_step_and_stability_aware_every_r_steps(tiny_dir):
+    prompts = _prompts([61])
+    stats = {}
+    for naive in (False, True):
+        _, seqs = _generate(_engine(tiny_dir, load_policy("flexicache", dict(budget=2 * P, naive=naive, **FLEXI))),
+                            prompts, max_new=17)
+        stats[naive] = seqs[0].kv_stats
+    steps = 16                                                         # decode steps after the prefill token
+    assert stats[True]["reranks"] == steps
+    assert stats[False]["reranks"] == 1 + steps // 4                   # step 1 and every R = 4 steps
+    assert stats[True]["promoted_pages"] > stats[False]["promoted_pages"]
