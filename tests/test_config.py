@@ -32,7 +32,10 @@ def test_quickstart_exp_composes():
     assert cfg.exp.name == "quickstart"
     cells = resolve_cells(cfg)
     validate(cfg, cells)
-    assert [c.system.name for c in cells] == ["hf"]
+    assert [c.system.name for c in cells][:2] == ["engine-dense", "engine-dense"]
+    assert {c.system.name for c in cells} >= {"engine-flexicache", "engine-quest", "engine-lserve", "engine-cake",
+                                              "engine-snapkv", "engine-streaming"}
+    assert all(c.system.params.get("budget") == 256 for c in cells if c.system.name != "engine-dense")
 
 
 def test_cell_key_names_overrides():
