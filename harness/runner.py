@@ -117,8 +117,11 @@ def apply_budget(system: DictConfig, budget: int) -> None:
         policy = importlib.import_module(f"systems.policies.{system.policy}").POLICY
     except (ModuleNotFoundError, AttributeError):
         return  # check_system reports the unknown policy
-    if "budget" in {f.name for f in dataclasses.fields(policy)}:
+    fields = {f.name for f in dataclasses.fields(policy)}
+    if "budget" in fields:
         system.params["budget"] = budget
+        if "recent_size" in fields:
+            system.params["recent_size"] = None  # H2O: heavy and recent halves of the shared budget
 
 
 def _default_or_self(group: str, choice: str | None, schema: type, current: DictConfig) -> DictConfig:

@@ -56,7 +56,8 @@ def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any):
     if system_cfg.backend == "engine":
         from systems.engine.system import EngineSystem
         return EngineSystem(str(model_dir), policy_name=system_cfg.policy, policy_params=dict(system_cfg.params),
-                            engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name)
+                            engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name,
+                            max_model_len=model_cfg.max_model_len)
     from systems.vllm import VLLMSystem
     return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
                       name=system_cfg.name)
