@@ -141,18 +141,9 @@ class EngineLoop:
 
     def _drop(self, live: Live) -> None:
         """Take a sequence out of the engine wherever it is, freeing its KV blocks."""
-        # TODO(engine): replace with Engine.abort(request_id) once the engine exposes it.
         self._live.pop(live.request.request_id, None)
-        seq = live.seq
-        if seq is None or seq.status is Status.FINISHED:
-            return
-        sched = self.engine.scheduler
-        if seq.status is Status.WAITING:
-            sched.waiting.remove(seq)
-            seq.status = Status.FINISHED
-        else:
-            sched.finish(seq)
-        seq.finish_reason = "abort"
+        if live.seq is not None:
+            self.engine.abort(live.seq)
 
 
 class OpenAIServer:

@@ -125,6 +125,17 @@ class Engine:
         live = pages * self.kv.num_layers * self.kv.num_kv_heads * self.kv.minmax_bytes_per_page
         self.minmax_peak_bytes = max(self.minmax_peak_bytes, live)
 
+    def abort(self, seq: Sequence) -> None:
+        """Take a sequence out wherever it is (a client went away), freeing its KV blocks in both tiers."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.WAITING:
+            self.scheduler.waiting.remove(seq)
+            seq.status = Status.FINISHED
+        else:
+            self.scheduler.finish(seq)
+        seq.finish_reason = "abort"
+
     def run(self) -> None:
         while self.scheduler.has_work():
             self.step()
