@@ -79,6 +79,7 @@ def analyse(traces: list[dict], k: dict, num_layers: int, num_kv_heads: int) -> 
             if int(n[s]) > K and int(n[s + W]) > K:
                 M = int(n[s + W])
                 promoted.append(1 - selection.overlap(sets[s], sets[s + W], M).double() / K)
+    rco_by_offset = rco_offsets(traces, H, K, W)
     ts = torch.cat(ts_all) if ts_all else torch.empty(0, H, dtype=torch.float64)
     count = k["unstable_count"] or int(math.floor(k["unstable_fraction"] * H + 0.5))
     heads, freq = selection.unstable_by_frequency(ts, count)
@@ -102,7 +103,25 @@ def analyse(traces: list[dict], k: dict, num_layers: int, num_kv_heads: int) -> 
         "promoted_share_stable": float(stable_share[~torch.isnan(stable_share)].mean()) if stable_share.numel()
         else None,
         "outside_mass": torch.nanmean(mass, 0).view(num_layers, num_kv_heads).nan_to_num(0.0).tolist(),
+        "rco_by_offset": rco_by_offset,
     }
+
+
+def rco_offsets(traces: list[dict], H: int, K: int, W: int) -> list[list[float]]:
+    """Mean RCO(S_s, S_{s+d}) per head for d = 1 .. W-1 over all window starts (FlexiCache F1): [W-1][H]."""
+    sums = torch.zeros(W - 1, H, dtype=torch.float64)
+    counts = torch.zeros(W - 1, H, dtype=torch.float64)
+    for tr in traces:
+        sets = tr["sets"].long().view(-1, H, K)
+        n = tr["num_candidates"]
+        for s in range(0, sets.shape[0] - W + 1, W):
+            for d in range(1, W):
+                M = int(n[s + d])
+                value = selection.rco(selection.overlap(sets[s], sets[s + d], M), K, n[s + d].expand(H))
+                ok = ~torch.isnan(value)
+                sums[d - 1] += value.nan_to_num(0.0)
+                counts[d - 1] += ok.double()
+    return (sums / counts.clamp(min=1)).masked_fill(counts == 0, float("nan")).tolist()
 
 
 def profile_cell(cfg: DictConfig, cell: Cell, out_dir: Path, ws: Workspace, k: dict) -> dict:
@@ -131,7 +150,8 @@ def profile_cell(cfg: DictConfig, cell: Cell, out_dir: Path, ws: Workspace, k: d
         profiles.save_profile(store.root / f"profile_{prof['kind']}.json", prof)
         if k["ship"]:
             profiles.save_profile(profiles.profile_path(prof["kind"], cfg.model.name, cell.task.name), prof)
-    metrics = {"task": cell.task.name, "system": cell.system.name, "flexicache": flexi, "lserve": lserve}
+    metrics = {"task": cell.task.name, "system": cell.system.name, "flexicache": flexi, "lserve": lserve,
+               "rco_by_offset": result["rco_by_offset"]}
     store.write_metrics(metrics)
     return metrics
 
@@ -150,7 +170,12 @@ def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> Path:
         rows.append([f["task"], f["samples"], f["windows"], f["K"], f["W"], f["unstable_count"],
                      f["consensus_recall"], f["random_baseline"], f["promoted_share_stable"]])
         csv_rows += [{"task": f["task"], **hs} for hs in f["head_stats"]]
-    parts = [f"# {cfg.exp.name}", "",
+    glance = "; ".join(f"{m['flexicache']['task']}: {m['flexicache']['unstable_count']} unstable heads, consensus "
+                       f"recall {m['flexicache']['consensus_recall']:.2f} vs {m['flexicache']['random_baseline']:.2f} "
+                       f"random, a stable head's rerank promotes {m['flexicache']['promoted_share_stable']:.0%} of its "
+                       f"top-K" for m in results if m["flexicache"].get("promoted_share_stable") is not None)
+    pngs = plot_results(results, out_dir)
+    parts = [f"# {cfg.exp.name}", "", f"**At a glance:** {glance}." if glance else "", "",
              md_table_or_none(["task", "samples", "windows", "K", "W", "unstable", "consensus recall",
                                "random", "promoted share / rerank (stable)"], rows), ""]
     if len(results) > 1:
@@ -164,11 +189,57 @@ def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> Path:
             per_layer[layer] = per_layer.get(layer, 0) + 1
         parts += [f"## {f['task']}: unstable heads per layer", "",
                   ", ".join(f"L{layer}: {n}" for layer, n in sorted(per_layer.items())), ""]
+    parts += [f"![{p.stem}]({p.name})" for p in pngs] + [""]
     parts += [f"Regenerate: `{report.command_line(cfg)}`.", "", report.provenance(cfg), ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "summary.md", "\n".join(parts))
     atomic_write_text(out_dir / "summary.csv", report.to_csv(csv_rows))
     return out_dir / "summary.md"
+
+
+def plot_results(results: list[dict], out_dir: Path) -> list[Path]:
+    """F1: RCO against offset (unstable heads vs stable ones, and the extremes); T7: promoted share per task."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    with_rco = [m for m in results if m.get("rco_by_offset")]
+    if with_rco:
+        fig, axes = plt.subplots(1, len(with_rco), figsize=(5.5 * len(with_rco), 4), squeeze=False)
+        for ax, m in zip(axes[0], with_rco):
+            f = m["flexicache"]
+            rco = torch.tensor(m["rco_by_offset"])                       # [W-1, H]
+            unstable = torch.tensor([hs["unstable"] for hs in f["head_stats"]])
+            offsets = list(range(1, rco.shape[0] + 1))
+            ax.plot(offsets, torch.nanmean(rco[:, ~unstable], 1), lw=2.5, color="tab:blue", label="stable heads (mean)")
+            ax.plot(offsets, torch.nanmean(rco[:, unstable], 1), lw=2.5, color="tab:red", label="unstable heads (mean)")
+            order = torch.argsort(torch.nanmean(rco, 0).nan_to_num(-1.0))
+            for h in order[:3].tolist() + order[-3:].tolist():
+                hs = f["head_stats"][h]
+                ax.plot(offsets, rco[:, h], lw=0.8, alpha=0.6, color="tab:red" if hs["unstable"] else "tab:blue")
+            ax.set_xlabel("offset Δ from the window start (decode steps)")
+            ax.set_ylabel("RCO(S_s, S_s+Δ) (0 = chance, 1 = identical)")
+            ax.set_title(f"{f['task']}: top-{f['K']} page overlap vs offset")
+            ax.set_ylim(0, 1.02)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "rco_vs_offset.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    shares = [(m["flexicache"]["task"], m["flexicache"]["promoted_share_stable"]) for m in results
+              if m["flexicache"].get("promoted_share_stable") is not None]
+    if shares:
+        fig, ax = plt.subplots(figsize=(4 + len(shares), 3.6))
+        ax.bar([t for t, _ in shares], [100 * v for _, v in shares], color="tab:green")
+        ax.set_ylabel("pages promoted per rerank (% of a stable head's top-K)")
+        ax.set_title("Host→device traffic per rerank")
+        fig.tight_layout()
+        paths.append(out_dir / "promoted_share.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
 
 
 def md_table_or_none(header, rows) -> str:
