@@ -58,7 +58,8 @@ def static_env() -> dict:
         threads = torch.get_num_threads()
     except ImportError:
         threads = None
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    # committed result summaries change with every run; only code and config make a tree "dirty"
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     return {
         "git_sha": _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
