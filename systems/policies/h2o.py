@@ -12,17 +12,18 @@ Scores live per (slot, layer, head) in a ledger cleared on every reset (the offi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from systems.policies import allocation as alloc
 from systems.policies import indicators as ind
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVView, SeqInfo
+from systems.policies.fixed_budget import LedgerBudget
 
 
 @dataclass
-class H2O(Policy):
+class H2O(LedgerBudget):
+    ledger_scores: ClassVar[bool] = True   # accumulated attention rides along with each token
     name = "h2o"
 
     budget: int = 1024                  # heavy + recent tokens per layer and KV head, recent included
@@ -34,21 +35,6 @@ class H2O(Policy):
         if not 0 <= self.recent < self.budget:
             raise ValueError(f"h2o needs 0 <= recent_size < budget, got budget={self.budget} recent={self.recent}")
         ind.check_choice("aggregation", self.aggregation, ind.AGGREGATIONS)
-
-    def bind(self, kv: KVView) -> None:
-        super().bind(kv)
-        self.ledger = ind.TokenLedger(kv.block_table.shape[0], kv.num_layers, kv.num_kv_heads, kv.device,
-                                      with_scores=True)
-
-    def reset(self, slot: int) -> None:
-        if hasattr(self, "ledger"):
-            self.ledger.reset(slot)
-
-    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        if prompt_len <= self.budget:
-            return super().device_blocks_needed(prompt_len, max_new_tokens)
-        return alloc.prefill_blocks_bound(prompt_len, [self.budget] * self.num_layers, self.page_size,
-                                          self.num_kv_heads)
 
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         n = k.shape[0]

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from systems.policies import allocation as alloc
 from systems.policies import indicators as ind
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVView, SeqInfo
+from systems.policies.fixed_budget import LedgerBudget
 
 
 @dataclass
-class StreamingLLM(Policy):
+class StreamingLLM(LedgerBudget):
     name = "streaming"
 
     budget: int = 2004          # start_size + recent_size tokens per layer, sinks included
@@ -30,20 +30,6 @@ class StreamingLLM(Policy):
         if self.sink_size < 0 or self.budget <= self.sink_size:
             raise ValueError(f"streaming needs budget > sink_size >= 0, got budget={self.budget} "
                              f"sink_size={self.sink_size}")
-
-    def bind(self, kv: KVView) -> None:
-        super().bind(kv)
-        self.ledger = ind.TokenLedger(kv.block_table.shape[0], kv.num_layers, kv.num_kv_heads, kv.device)
-
-    def reset(self, slot: int) -> None:
-        if hasattr(self, "ledger"):
-            self.ledger.reset(slot)
-
-    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        if prompt_len <= self.budget:
-            return super().device_blocks_needed(prompt_len, max_new_tokens)
-        return alloc.prefill_blocks_bound(prompt_len, [self.budget] * self.num_layers, self.page_size,
-                                          self.num_kv_heads)
 
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         n, hkv = k.shape[0], k.shape[1]

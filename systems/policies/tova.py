@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from systems.policies import allocation as alloc
 from systems.policies import indicators as ind
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVView, SeqInfo
+from systems.policies.fixed_budget import FixedBudget
 
 
 @dataclass
-class TOVA(Policy):
+class TOVA(FixedBudget):
     name = "tova"
 
     budget: int = 512           # cache_size: tokens per layer (every KV head the same), nothing forced
@@ -26,12 +26,6 @@ class TOVA(Policy):
     def __post_init__(self):
         if self.budget < 1:
             raise ValueError(f"tova: budget must be >= 1, got {self.budget}")
-
-    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        if prompt_len <= self.budget:
-            return super().device_blocks_needed(prompt_len, max_new_tokens)
-        return alloc.prefill_blocks_bound(prompt_len, [self.budget] * self.num_layers, self.page_size,
-                                          self.num_kv_heads)
 
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         n = k.shape[0]

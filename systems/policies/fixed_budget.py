@@ -1,0 +1,34 @@
+"""Shared by policies that hold a fixed `budget` of tokens per (layer, KV head) from prefill on (H2O, TOVA, StreamingLLM)."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from systems.policies import allocation as alloc
+from systems.policies import indicators as ind
+from systems.policies.base import KVView, Policy
+
+
+class FixedBudget(Policy):
+    """Admission footprint: the whole prompt when it fits the budget, else the transient bound of one full layer
+    plus `budget` tokens for every other layer (eviction runs layer by layer during prefill)."""
+
+    def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        if prompt_len <= self.budget:
+            return super().device_blocks_needed(prompt_len, max_new_tokens)
+        return alloc.prefill_blocks_bound(prompt_len, [self.budget] * self.num_layers, self.page_size,
+                                          self.num_kv_heads)
+
+
+class LedgerBudget(FixedBudget):
+    """Plus a TokenLedger (original positions, optionally running scores) for decode-time eviction."""
+
+    ledger_scores: ClassVar[bool] = False
+
+    def bind(self, kv: KVView) -> None:
+        super().bind(kv)
+        self.ledger = ind.TokenLedger(kv.block_table.shape[0], kv.num_layers, kv.num_kv_heads, kv.device,
+                                      with_scores=self.ledger_scores)
+
+    def reset(self, slot: int) -> None:
+        if hasattr(self, "ledger"):
+            self.ledger.reset(slot)
