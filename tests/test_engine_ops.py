@@ -124,20 +124,3 @@ def test_page_scores_matches_brute_force():
                 per_q = [sum(max(float(q[bb, hq, d] * kmin[bb, h, m, d]), float(q[bb, hq, d] * kmax[bb, h, m, d]))
                              for d in range(D)) for hq in range(h * 2, h * 2 + 2)]
                 assert abs(float(scores[bb, h, m]) - max(per_q)) < 1e-4
-
-
-def test_prefix_paged_decode_attention_equals_gathered():
-    from systems.engine.ops.torch_attention import prefix_paged_decode_attention
-    g = torch.Generator().manual_seed(6)
-    B, Hq, Hkv, D, P, M = 3, 6, 2, 8, 4, 6
-    k_pool, v_pool = torch.randn(80, P, D, generator=g), torch.randn(80, P, D, generator=g)
-    table = torch.zeros(B, Hkv, M, dtype=torch.int32)
-    runs = [(1, 3), (0, 0), (20, 5)]                          # seq 1 has no contiguous run: all gathered
-    for b, (start, n0) in enumerate(runs):
-        for h in range(Hkv):
-            table[b, h, :n0] = torch.arange(start + h * n0, start + (h + 1) * n0)
-            table[b, h, n0:] = torch.randint(40, 80, (M - n0,), generator=g)
-    counts = torch.tensor([[15, 15], [22, 9], [21, 18]], dtype=torch.int32)
-    q = torch.randn(B, Hq, D, generator=g)
-    ref = paged_decode_attention(q, k_pool, v_pool, table, counts, 0.4)
-    torch.testing.assert_close(prefix_paged_decode_attention(q, k_pool, v_pool, table, counts, 0.4, runs), ref)

@@ -210,13 +210,12 @@ class _FirstAndLastPages(Policy):
 
 
 def _swap_in_triton(engine):
-    """Point the engine's op table at the Triton kernels (the CPU-only prefix op becomes the paged kernel)."""
+    """Point the engine's op table at the Triton kernels."""
     ops = engine.ops
     for name in ("store_kv", "update_minmax", "page_minmax"):
         setattr(ops, name, getattr(triton_kv, name))
     ops.paged_decode_attention = triton_attention.paged_decode_attention
-    ops.prefix_paged_decode_attention = lambda q, kp, vp, table, counts, scale, prefix: (
-        triton_attention.paged_decode_attention(q, kp, vp, table, counts, scale))
+    ops.sparse_decode_attention = triton_attention.sparse_decode_attention
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the engine here runs on CPU tensors")

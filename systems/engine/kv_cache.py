@@ -59,9 +59,6 @@ class TieredKVCache:
         # tier copies overlap decoding on a stream at the lowest priority (CUDA's 0; negative is higher)
         self._copy_stream = torch.cuda.Stream(priority=0) if cuda else None
         self._heads = torch.arange(num_kv_heads, device=self.device)
-        # (slot, layer) -> (first block, pages): the slot's prefill pages of that layer form one contiguous run
-        # (head h owns blocks first + h*pages ...), which the CPU decode path reads in place
-        self.prefix_runs: dict[tuple[int, int], tuple[int, int]] = {}
 
     # ---- tier capacity -------------------------------------------------------------------------------------------
     def free_device_blocks(self) -> int:
@@ -81,9 +78,6 @@ class TieredKVCache:
         pages = -(-n // P)
         ids = self._alloc_device(H * pages).view(H, pages)
         self.block_table[slot, layer, :, :pages] = ids
-        flat = ids.reshape(-1)
-        if flat.numel() == 1 or bool((flat.diff() == 1).all()):
-            self.prefix_runs[(slot, layer)] = (int(flat[0]), pages)
         tok = torch.arange(n, device=self.device)
         block_ids = ids[:, tok // P].reshape(-1)
         offsets = (tok % P).repeat(H)
@@ -135,8 +129,6 @@ class TieredKVCache:
             pool.free(row[row != 0])
             row.zero_()
         self.num_tokens[slot].zero_()
-        for layer in range(self.num_layers):
-            self.prefix_runs.pop((slot, layer), None)
         self._paused.discard(slot)
 
     def refresh_minmax(self, slot: int, layer: int, heads: torch.Tensor | None = None) -> None:
@@ -179,7 +171,6 @@ class TieredKVCache:
     # ---- KVView: eviction ----------------------------------------------------------------------------------------
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
         P = self.page_size
-        self.prefix_runs.pop((slot, layer), None)
         for h, idx in enumerate(keep):
             idx = idx.to(self.device).long()
             n_keep, n_old = idx.numel(), int(self.num_tokens[slot, layer, h])
@@ -206,7 +197,6 @@ class TieredKVCache:
             return
         P = self.page_size
         s, h, idx = slots.long(), heads.long(), index.long()
-        self._forget_runs(s, layer)
         last = self.num_tokens[s, layer, h].long() - 1
         if bool((idx > last).any()) or bool((last < 1).any()):
             raise ValueError("drop_tokens: index beyond the head's tokens, or the head would become empty")
@@ -259,7 +249,6 @@ class TieredKVCache:
         s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # an offload may still read these blocks
-        self._forget_runs(s, l)
         dev = self.block_table[s, l, h, p]
         self.device_blocks.free(dev[dev != 0])
         self.block_table[s, l, h, p] = 0
@@ -271,7 +260,6 @@ class TieredKVCache:
         host = self.host_table[s, l, h, p].long()
         if bool((host == 0).any()):
             raise ValueError("promote_pages: a listed page has no host copy")
-        self._forget_runs(s, l)
         if recycle is None:
             dev = self._alloc_device(s.numel()).long()
         else:
@@ -288,11 +276,6 @@ class TieredKVCache:
             event.record(self._copy_stream)
             for slot in s.unique().tolist():
                 self._inflight[slot] = event
-
-    def _forget_runs(self, slots: torch.Tensor, layers: torch.Tensor | int) -> None:
-        layers = layers.tolist() if isinstance(layers, torch.Tensor) else [layers] * slots.numel()
-        for key in set(zip(slots.tolist(), layers)):
-            self.prefix_runs.pop(key, None)
 
     # ---- KVView: scheduling ----------------------------------------------------------------------------------------
     def pause(self, slot: int) -> None:

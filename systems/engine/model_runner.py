@@ -50,9 +50,7 @@ class ModelRunner:
         positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         infos = [s.info() for s in seqs]
-        slot_list = [s.slot for s in seqs]
         kv, policy, ops = self.kv, self.policy, self.ops
-        cpu = self.device.type == "cpu"
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kv.append_decode(slots, layer, k, v)
@@ -60,11 +58,7 @@ class ModelRunner:
             selected = policy.select_pages(kv, step)
             if selected is None:
                 table, counts = kv.decode_tables(slots, layer)
-                if cpu:
-                    runs = [kv.prefix_runs.get((slot, layer), (0, 0)) for slot in slot_list]
-                    out = ops.prefix_paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale, runs)
-                else:
-                    out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
+                out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
             else:
                 out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table[slots, layer],
                                                   kv.num_tokens[slots, layer], selected, kv.scale)

@@ -1,4 +1,4 @@
-"""Engine ops: torch reference implementations (CPU path) and Triton kernels (GPU path) with identical signatures."""
+"""Engine ops: torch references, the fused CPU decode kernel (CPU path) and Triton kernels (GPU path), one signature."""
 from __future__ import annotations
 
 import importlib
@@ -10,23 +10,26 @@ from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
 _FUNCTIONS = {
     "kv": ("store_kv", "update_minmax", "page_minmax"),
-    "attention": ("paged_decode_attention", "sparse_decode_attention", "gather_selected",
-                  "prefix_paged_decode_attention"),
+    "attention": ("paged_decode_attention", "sparse_decode_attention", "gather_selected"),
     "scoring": ("page_scores",),
 }
 
 
 def load_ops(device: torch.device | str) -> SimpleNamespace:
-    """The op set for a device: Triton kernels on CUDA where a triton_<group> module provides them, torch otherwise."""
+    """The op set for a device: Triton kernels on CUDA where a triton_<group> module provides them, the fused C++
+    decode attention on CPU (it falls back to torch itself when it cannot be built), torch otherwise."""
     torch_modules = {"kv": torch_kv, "attention": torch_attention, "scoring": torch_scoring}
+    kind = torch.device(device).type
     chosen = {}
     for group, names in _FUNCTIONS.items():
-        triton_module = None
-        if torch.device(device).type == "cuda":
+        fast_module = None
+        if kind == "cuda":
             try:
-                triton_module = importlib.import_module(f"systems.engine.ops.triton_{group}")
+                fast_module = importlib.import_module(f"systems.engine.ops.triton_{group}")
             except ImportError:
-                triton_module = None
+                fast_module = None
+        elif kind == "cpu" and group == "attention":
+            fast_module = importlib.import_module("systems.engine.ops.cpu_attention")
         for name in names:
-            chosen[name] = getattr(triton_module, name, None) or getattr(torch_modules[group], name)
+            chosen[name] = getattr(fast_module, name, None) or getattr(torch_modules[group], name)
     return SimpleNamespace(**chosen)

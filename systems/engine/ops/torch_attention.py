@@ -1,4 +1,4 @@
-"""Paged decode attention over per-(sequence, KV head) block tables, dense and sparse top-K (torch reference, CPU path)."""
+"""Paged decode attention over per-(sequence, KV head) block tables, dense and sparse top-K (torch reference)."""
 from __future__ import annotations
 
 import torch
@@ -54,50 +54,6 @@ def gather_selected(block_table: torch.Tensor, num_tokens: torch.Tensor, selecte
     last_listed = torch.gather(sel_sorted, -1, (n_sel - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
     counts = n_sel * page_size - torch.where(last_listed == last_page, page_size - last_fill, 0)
     return table, counts.to(torch.int32)
-
-
-def prefix_paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                                  block_table: torch.Tensor, num_tokens: torch.Tensor, scale: float,
-                                  prefix: list[tuple[int, int]]) -> torch.Tensor:
-    """paged_decode_attention for the CPU, reading contiguous block runs in place instead of gathering them.
-
-    prefix[b] = (start, n0): sequence b's first n0 pages of KV head h are the blocks start + h*n0 ... start +
-    (h+1)*n0 - 1 (how a whole-prompt prefill allocates them), so they are read as a view of the pool; only the
-    pages after them (block_table[b, :, n0:]) are gathered. n0 = 0 gathers everything. Same arguments and result
-    as paged_decode_attention otherwise; the copy it avoids is most of the decode cost on a CPU.
-    """
-    B, Hq, D = q.shape
-    Hkv = block_table.shape[1]
-    P = k_pool.shape[1]
-    G = Hq // Hkv
-    counts = num_tokens.tolist()
-    out = torch.empty_like(q)
-    for b in range(B):
-        start, n0 = prefix[b]
-        n_max = max(counts[b])
-        total_pages = -(-n_max // P)
-        qb = q[b].view(Hkv, G, D).to(k_pool.dtype)
-        parts_k, parts_v = [], []
-        if n0:
-            parts_k.append(k_pool[start:start + Hkv * n0].view(Hkv, n0 * P, D))
-            parts_v.append(v_pool[start:start + Hkv * n0].view(Hkv, n0 * P, D))
-        if total_pages > n0:
-            ids = block_table[b, :, n0:total_pages].reshape(-1).long()
-            parts_k.append(k_pool.index_select(0, ids).view(Hkv, -1, D))
-            parts_v.append(v_pool.index_select(0, ids).view(Hkv, -1, D))
-        logits = torch.cat([torch.matmul(qb, k.transpose(-1, -2)) for k in parts_k], dim=-1).float() * scale
-        width = logits.shape[-1]
-        invalid = torch.arange(width).view(1, 1, width) >= num_tokens[b].view(Hkv, 1, 1)
-        probs = torch.softmax(logits.masked_fill_(invalid, float("-inf")), dim=-1).to(v_pool.dtype)
-        acc = None
-        offset = 0
-        for v in parts_v:
-            n = v.shape[1]
-            term = torch.matmul(probs[..., offset:offset + n], v)
-            acc = term if acc is None else acc + term
-            offset += n
-        out[b] = acc.reshape(Hq, D).to(q.dtype)
-    return out
 
 
 def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,

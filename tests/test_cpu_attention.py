@@ -1,0 +1,70 @@
+"""The fused CPU decode kernel (ops/cpu_attention.cpp) against the torch reference, fp32 and bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from systems.engine.ops import cpu_attention, load_ops
+from systems.engine.ops.torch_attention import paged_decode_attention, sparse_decode_attention
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler: the torch path is used")
+
+
+def _case(B, Hq, Hkv, D, P, M, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    nblocks = 1 + B * Hkv * M
+    k_pool = torch.randn(nblocks, P, D, generator=g).to(dtype)
+    v_pool = torch.randn(nblocks, P, D, generator=g).to(dtype)
+    table = (torch.randperm(nblocks - 1, generator=g) + 1).view(B, Hkv, M).to(torch.int32)
+    counts = torch.randint(1, M * P + 1, (B, Hkv), generator=g).to(torch.int32)
+    counts[0, 0] = 1                                          # a head with a single token
+    counts[-1, -1] = M * P                                    # and one with every page full
+    q = (3 * torch.randn(B, Hq, D, generator=g)).to(dtype)   # peaked softmax: exercises the running max
+    return q, k_pool, v_pool, table, counts
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,P", [(6, 2, 64, 16), (9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16),
+                                        (6, 2, 16, 4), (7, 1, 96, 32)])
+def test_fp32_equals_reference(Hq, Hkv, D, P):
+    q, k_pool, v_pool, table, counts = _case(3, Hq, Hkv, D, P, 9, torch.float32, seed=D + Hq)
+    ref = paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
+    out = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("D", [64, 128, 32])
+def test_bf16_matches_fp32_reference(D):
+    """bf16 pools (the AVX512-BF16 path for D = 64/128): close to the fp32 result of the same bf16 values."""
+    q, k_pool, v_pool, table, counts = _case(4, 9, 3, D, 16, 12, torch.bfloat16, seed=D)
+    ref = paged_decode_attention(q.float(), k_pool.float(), v_pool.float(), table, counts, D ** -0.5)
+    out = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    # and no worse than the torch bf16 path is against the same fp32 result
+    torch_bf16 = paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5).float()
+    assert (out.float() - ref).abs().max() <= (torch_bf16 - ref).abs().max() + 1e-2
+
+
+def test_sparse_equals_reference_and_reads_only_selected_pages():
+    q, k_pool, v_pool, table, counts = _case(3, 6, 2, 64, 16, 10, torch.float32, seed=3)
+    counts[:] = 10 * 16 - 5                                   # partial last page
+    sel = torch.tensor([[[0, 9, 4, -1], [2, 3, -1, -1]], [[9, 1, 5, 7], [8, -1, -1, -1]],
+                        [[6, -1, -1, -1], [9, 0, -1, -1]]])
+    ref = sparse_decode_attention(q, k_pool, v_pool, table, counts, sel, 0.125)
+    torch.testing.assert_close(cpu_attention.sparse_decode_attention(q, k_pool, v_pool, table, counts, sel, 0.125),
+                               ref, rtol=1e-5, atol=1e-5)
+    poisoned_k, poisoned_v = k_pool.clone(), v_pool.clone()
+    keep = torch.zeros(k_pool.shape[0], dtype=torch.bool)
+    for b in range(3):
+        for h in range(2):
+            pages = [p for p in sel[b, h].tolist() if p >= 0]
+            keep[table[b, h, pages].long()] = True
+    poisoned_k[~keep] = float("nan")
+    poisoned_v[~keep] = float("nan")
+    out = cpu_attention.sparse_decode_attention(q, poisoned_k, poisoned_v, table, counts, sel, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_op_set_uses_the_kernel():
+    assert load_ops("cpu").paged_decode_attention is cpu_attention.paged_decode_attention
+    assert load_ops("cpu").sparse_decode_attention is cpu_attention.sparse_decode_attention
