@@ -5,8 +5,8 @@ those of exp.systems) and each batch size, one layer of
 the engine's paged KV storage (systems.engine.kv_cache) is filled with `context` random tokens per sequence and the
 system's policy prepares it as after a real prefill (FlexiCache offloads stable heads and frees their non-top-K
 blocks). Then `steps` decode steps run exactly what the engine's attention callback runs for one layer: append the
-new token, the policy's select_pages, the engine ops' gather_selected + paged_decode_attention (Triton on CUDA,
-torch otherwise), the policy's after_append (FlexiCache's promotions). Only select + attention + after_append are
+new token, the policy's select_pages, the engine ops' sparse (or dense) paged decode attention (Triton on CUDA,
+the fused C++ kernels on CPU), the policy's after_append (FlexiCache's promotions). Only select + attention + after_append are
 timed (the append is the same for every system); the split is reported.
 
 Synthetic inputs, on purpose: keys and values are N(0, 1); each sequence's decode queries are a fixed direction plus
@@ -138,12 +138,12 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: dict, device:
         selected = policy.select_pages(kv, step)
         _sync(device)
         t1 = time.perf_counter()
-        if selected is None:
+        if selected is None:                                      # exactly the engine's attention call
             table, counts = kv.decode_tables(slots, layer)
+            ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
         else:
-            table, counts = ops.gather_selected(kv.block_table[slots, layer], kv.num_tokens[slots, layer], selected,
-                                                kv.page_size)
-        ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
+            ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table[slots, layer],
+                                        kv.num_tokens[slots, layer], selected, kv.scale)
         _sync(device)
         t2 = time.perf_counter()
         policy.after_append(kv, step)
@@ -154,7 +154,8 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: dict, device:
             timings["select_s"] += t1 - t0
             timings["attention_s"] += t2 - t1
             timings["after_append_s"] += t3 - t2
-            pages_read += int((table != 0).sum())
+            pages_read += (int(-(-kv.num_tokens[slots, layer].long() // kv.page_size).sum()) if selected is None
+                           else int((selected >= 0).sum()))
     per_step = {k.replace("_s", "_ms"): 1000 * v / steps for k, v in timings.items()}
     return {"system": system_cfg.name, "policy": system_cfg.policy, "batch": batch, "context": n,
             "budget": params.get("budget"), "total_ms": sum(per_step.values()), **per_step,

@@ -161,12 +161,14 @@ class TieredKVCache:
         pad = (torch.arange(n, device=self.device).view(1, 1, n) >= counts.view(B, H, 1)).unsqueeze(-1)
         return k.masked_fill(pad, 0), v.masked_fill(pad, 0), counts.long()
 
-    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
-        counts = self.num_tokens[slots, layer]
+    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
+                    width: int | None = None) -> torch.Tensor:
+        counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
         n_pages = -(-counts.long() // self.page_size)
-        width = int(n_pages.max())
-        return self.ops.page_scores(q, self.kmin[slots, layer, :, :width], self.kmax[slots, layer, :, :width],
-                                    n_pages)
+        width = int(n_pages.max()) if width is None else width
+        # one layer's MinMax cache as a view: the kernels read the rows and heads in place
+        return self.ops.page_scores(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
+                                    slots, heads)
 
     # ---- KVView: eviction ----------------------------------------------------------------------------------------
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:

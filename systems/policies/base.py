@@ -94,10 +94,13 @@ class KVView(Protocol):
         """(k, v, counts) of the given sequences' resident tokens in storage order: k, v [B, Hkv, N, D] (N = the
         largest count, padding zeroed), counts [B, Hkv] int64. Reads device pages; a non-resident page reads zeros."""
 
-    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Quest upper bounds from the MinMax cache, every page resident or not: [B, Hkv, M'] fp32 (M' = most
-        pages any listed head holds; pages a head does not hold score -inf). q: [B, Hq, D]; a KV head's score is
-        the max over its query group of sum_d max(q_d*kmin_d, q_d*kmax_d). Triton on CUDA, torch on CPU."""
+    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
+                    width: int | None = None) -> torch.Tensor:
+        """Quest upper bounds from the MinMax cache, every page resident or not: [B, H, W] fp32 for the KV heads
+        `heads` (default all) of the sequences in `slots`; W = `width` or the most pages any listed head holds;
+        pages a head does not hold score -inf. q: [B, H*G, D], the queries of those heads' groups in order; a KV
+        head's score is the max over its query group of sum_d max(q_d*kmin_d, q_d*kmax_d). The engine's kernel
+        reads the cache in place (Triton on CUDA, C++ on CPU)."""
 
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
         """Evict for good: head h keeps only the storage indices keep[h] (1-D int, ascending, unique), compacted into

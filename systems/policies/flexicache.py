@@ -117,8 +117,7 @@ class FlexiCache(Policy):
             stats["offloaded_pages"] += hh.numel()
         if n_pages - 1 > self.top_k:
             num_pages = torch.full((1, kv.num_kv_heads), n_pages, device=kv.device)
-            scores = selection.page_scores(q[-1:], kv.kmin[slot:slot + 1, layer, :, :n_pages],
-                                           kv.kmax[slot:slot + 1, layer, :, :n_pages], num_pages)
+            scores = kv.score_pages(torch.tensor([slot], device=kv.device), layer, q[-1:], width=n_pages)
             top = selection.candidates_topk(scores, num_pages, self.top_k)[0, stable]          # [s, K]
             keep = selection.as_mask(top, n_pages)
             keep[:, n_pages - 1] = True
@@ -151,12 +150,12 @@ class FlexiCache(Policy):
         heads_u = unstable.nonzero().view(-1)
         if heads_u.numel() and width > self.top_k + 1:                # unstable heads: top-K + last page every step
             rows_u = torch.arange(len(step.seqs), device=kv.device)
-            scores = self._scores(kv, step, rows_u, heads_u, width, num_pages)
+            scores = self._scores(kv, step, rows_u, heads_u, width)
             top = selection.topk_with_last(scores, num_pages[:, heads_u], self.top_k + 1)
             read[rows_u.view(-1, 1), heads_u.view(1, -1)] = selection.as_mask(top, width)
         if rows and stable.numel():                                   # stable heads: swap map for the next step
             r = torch.tensor(rows, device=kv.device)
-            scores = self._scores(kv, step, r, stable, width, num_pages)
+            scores = self._scores(kv, step, r, stable, width)
             n_sel = num_pages[r][:, stable]
             chosen = selection.as_mask(selection.candidates_topk(scores, n_sel, self.top_k), width)
             chosen.scatter_(-1, (n_sel - 1).unsqueeze(-1), True)
@@ -165,14 +164,10 @@ class FlexiCache(Policy):
             return None
         return selection.compact(read)
 
-    def _scores(self, kv: KVView, step: DecodeStep, rows, heads, width, num_pages) -> torch.Tensor:
+    def _scores(self, kv: KVView, step: DecodeStep, rows, heads, width) -> torch.Tensor:
         G = kv.num_q_heads // kv.num_kv_heads
         q = step.q[rows].view(rows.numel(), kv.num_kv_heads, G, -1)[:, heads].reshape(rows.numel(), -1, kv.head_dim)
-        s = step.slots[rows].view(-1, 1)
-        h = heads.view(1, -1)
-        kmin = kv.kmin[s, step.layer, h, :width]
-        kmax = kv.kmax[s, step.layer, h, :width]
-        return selection.page_scores(q, kmin, kmax, num_pages[rows][:, heads])
+        return kv.score_pages(step.slots[rows], step.layer, q, heads=heads, width=width)
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots, P = step.layer, step.slots, kv.page_size

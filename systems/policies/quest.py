@@ -56,10 +56,7 @@ class Quest(Policy):
         if step.layer < self.skip_layers or int(num_pages.max()) <= k:
             self._count(step.slots, num_pages)
             return None
-        width = int(num_pages.max())
-        kmin = kv.kmin[step.slots, step.layer, :, :width]
-        kmax = kv.kmax[step.slots, step.layer, :, :width]
-        scores = selection.page_scores(step.q, kmin, kmax, num_pages)
+        scores = kv.score_pages(step.slots, step.layer, step.q)
         chosen = selection.topk_with_last(scores, num_pages, k)
         self._count(step.slots, (chosen >= 0).sum(-1))
         return chosen

@@ -41,9 +41,7 @@ class TopKTrace(Policy):
     def select_pages(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots = step.layer, step.slots
         num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)
-        width = int(num_pages.max())
-        scores = selection.page_scores(step.q, kv.kmin[slots, layer, :, :width], kv.kmax[slots, layer, :, :width],
-                                       num_pages)
+        scores = kv.score_pages(slots, layer, step.q)
         top = selection.candidates_topk(scores, num_pages, self.top_k)
         top = torch.nn.functional.pad(top, (0, self.top_k - top.shape[-1]), value=selection.PAD).to(torch.int16)
         mass = self._outside_mass(kv, step) if self.attention_mass else None

@@ -17,7 +17,7 @@ _FUNCTIONS = {
 
 def load_ops(device: torch.device | str) -> SimpleNamespace:
     """The op set for a device: Triton kernels on CUDA where a triton_<group> module provides them, the fused C++
-    decode attention on CPU (it falls back to torch itself when it cannot be built), torch otherwise."""
+    kernels on CPU for attention and scoring (they fall back to torch when they cannot be built), torch otherwise."""
     torch_modules = {"kv": torch_kv, "attention": torch_attention, "scoring": torch_scoring}
     kind = torch.device(device).type
     chosen = {}
@@ -28,8 +28,8 @@ def load_ops(device: torch.device | str) -> SimpleNamespace:
                 fast_module = importlib.import_module(f"systems.engine.ops.triton_{group}")
             except ImportError:
                 fast_module = None
-        elif kind == "cpu" and group == "attention":
-            fast_module = importlib.import_module("systems.engine.ops.cpu_attention")
+        elif kind == "cpu" and group in ("attention", "scoring"):
+            fast_module = importlib.import_module("systems.engine.ops.cpu_kernels")
         for name in names:
             chosen[name] = getattr(fast_module, name, None) or getattr(torch_modules[group], name)
     return SimpleNamespace(**chosen)

@@ -4,13 +4,20 @@ from __future__ import annotations
 import torch
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,
+                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
     """Upper bound of q.k over each page, per KV head.
 
-    q: [B, Hq, D]; kmin, kmax: [B, Hkv, M, D]; num_pages: [B, Hkv] int (pages >= num_pages score -inf).
-    score[b, g, m] = max over the group's query heads h (h // (Hq//Hkv) == g) of sum_d max(q_d*kmin_d, q_d*kmax_d).
-    Returns [B, Hkv, M] fp32. Choosing the always-kept last page is the caller's job.
+    kmin, kmax: [S, Hkv', M, D] (any strides; typically one layer's MinMax cache, kv.kmin[:, layer, :, :M]);
+    rows [B] / heads [H]: which S-rows and KV heads to score (None: all, in order); q: [B, H*G, D], the queries of
+    those heads' groups; num_pages: [B, H] int (pages >= num_pages score -inf).
+    score[b, h, m] = max over head h's G query rows of sum_d max(q_d*kmin_d, q_d*kmax_d).
+    Returns [B, H, M] fp32. Choosing the always-kept last page is the caller's job.
     """
+    if rows is not None:
+        kmin, kmax = kmin[rows], kmax[rows]
+    if heads is not None:
+        kmin, kmax = kmin[:, heads], kmax[:, heads]
     B, Hq, D = q.shape
     _, Hkv, M, _ = kmin.shape
     G = Hq // Hkv

@@ -18,7 +18,7 @@ _PAGES_PER_PROGRAM = 32
 
 
 @triton.jit
-def _page_scores_kernel(q, kmin, kmax, num_pages, out, M,
+def _page_scores_kernel(q, kmin, kmax, num_pages, rows, heads, out, M,
                         s_qb, s_qh, s_qd, s_lb, s_lh, s_lm, s_ld, s_hb, s_hh, s_hm, s_hd, s_nb, s_nh,
                         s_ob, s_oh, s_om,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
@@ -30,11 +30,13 @@ def _page_scores_kernel(q, kmin, kmax, num_pages, out, M,
     d = tl.arange(0, D_PAD)
     d_ok = d < D
     m_ok = m < M
+    r = tl.load(rows + b).to(tl.int64)                                  # the MinMax row and head this program reads
+    kh = tl.load(heads + h).to(tl.int64)
     qg = tl.load(q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :] * s_qd,
                  mask=(g < G)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     tile = m_ok[:, None] & d_ok[None, :]
-    lo = tl.load(kmin + b * s_lb + h * s_lh + m[:, None] * s_lm + d[None, :] * s_ld, mask=tile, other=0.0)
-    hi = tl.load(kmax + b * s_hb + h * s_hh + m[:, None] * s_hm + d[None, :] * s_hd, mask=tile, other=0.0)
+    lo = tl.load(kmin + r * s_lb + kh * s_lh + m[:, None] * s_lm + d[None, :] * s_ld, mask=tile, other=0.0)
+    hi = tl.load(kmax + r * s_hb + kh * s_hh + m[:, None] * s_hm + d[None, :] * s_hd, mask=tile, other=0.0)
     q3 = qg[:, None, :]
     bound = tl.maximum(q3 * lo.to(tl.float32)[None, :, :], q3 * hi.to(tl.float32)[None, :, :])
     per_head = tl.sum(bound, axis=2)                                     # [G_PAD, BLOCK_M]
@@ -45,14 +47,16 @@ def _page_scores_kernel(q, kmin, kmax, num_pages, out, M,
     tl.store(out + b * s_ob + h * s_oh + m * s_om, score, mask=m_ok)
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
-    """Upper bound of q.k over each page, per KV head (see torch_scoring.page_scores).
-
-    q: [B, Hq, D]; kmin, kmax: [B, Hkv, M, D]; num_pages: [B, Hkv] int. Returns [B, Hkv, M] fp32, -inf past
-    num_pages.
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,
+                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Upper bound of q.k over each page, per KV head (see torch_scoring.page_scores: kmin/kmax [S, Hkv', M, D]
+    read in place through rows [B] and heads [H]). Returns [B, H, M] fp32, -inf past num_pages.
     """
     B, Hq, D = q.shape
-    _, Hkv, M, _ = kmin.shape
+    M = kmin.shape[2]
+    rows = torch.arange(kmin.shape[0], device=q.device) if rows is None else rows.to(q.device)
+    heads = torch.arange(kmin.shape[1], device=q.device) if heads is None else heads.to(q.device)
+    Hkv = heads.numel()
     if Hq % Hkv:
         raise ValueError(f"query heads {Hq} must be a multiple of KV heads {Hkv}")
     out = torch.empty(B, Hkv, M, dtype=torch.float32, device=q.device)
@@ -60,6 +64,6 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
         return out
     block_m = min(_PAGES_PER_PROGRAM, pow2(M, 2))
     _page_scores_kernel[(B, Hkv, triton.cdiv(M, block_m))](
-        q, kmin, kmax, num_pages, out, M, *q.stride(), *kmin.stride(), *kmax.stride(), *num_pages.stride(),
+        q, kmin, kmax, num_pages, rows, heads, out, M, *q.stride(), *kmin.stride(), *kmax.stride(), *num_pages.stride(),
         *out.stride(), G=Hq // Hkv, G_PAD=pow2(Hq // Hkv, 2), D=D, D_PAD=pow2(D), BLOCK_M=block_m)
     return out

@@ -1,13 +1,13 @@
-"""The fused CPU decode kernel (ops/cpu_attention.cpp) against the torch reference, fp32 and bf16."""
+"""The fused CPU decode kernel (ops/cpu_kernels.cpp) against the torch reference, fp32 and bf16."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from systems.engine.ops import cpu_attention, load_ops
+from systems.engine.ops import cpu_kernels, load_ops
 from systems.engine.ops.torch_attention import paged_decode_attention, sparse_decode_attention
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler: the torch path is used")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the torch path is used")
 
 
 def _case(B, Hq, Hkv, D, P, M, dtype, seed):
@@ -28,7 +28,7 @@ def _case(B, Hq, Hkv, D, P, M, dtype, seed):
 def test_fp32_equals_reference(Hq, Hkv, D, P):
     q, k_pool, v_pool, table, counts = _case(3, Hq, Hkv, D, P, 9, torch.float32, seed=D + Hq)
     ref = paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
-    out = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
+    out = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -37,7 +37,7 @@ def test_bf16_matches_fp32_reference(D):
     """bf16 pools (the AVX512-BF16 path for D = 64/128): close to the fp32 result of the same bf16 values."""
     q, k_pool, v_pool, table, counts = _case(4, 9, 3, D, 16, 12, torch.bfloat16, seed=D)
     ref = paged_decode_attention(q.float(), k_pool.float(), v_pool.float(), table, counts, D ** -0.5)
-    out = cpu_attention.paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
+    out = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, counts, D ** -0.5)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
     # and no worse than the torch bf16 path is against the same fp32 result
@@ -51,7 +51,7 @@ def test_sparse_equals_reference_and_reads_only_selected_pages():
     sel = torch.tensor([[[0, 9, 4, -1], [2, 3, -1, -1]], [[9, 1, 5, 7], [8, -1, -1, -1]],
                         [[6, -1, -1, -1], [9, 0, -1, -1]]])
     ref = sparse_decode_attention(q, k_pool, v_pool, table, counts, sel, 0.125)
-    torch.testing.assert_close(cpu_attention.sparse_decode_attention(q, k_pool, v_pool, table, counts, sel, 0.125),
+    torch.testing.assert_close(cpu_kernels.sparse_decode_attention(q, k_pool, v_pool, table, counts, sel, 0.125),
                                ref, rtol=1e-5, atol=1e-5)
     poisoned_k, poisoned_v = k_pool.clone(), v_pool.clone()
     keep = torch.zeros(k_pool.shape[0], dtype=torch.bool)
@@ -61,10 +61,31 @@ def test_sparse_equals_reference_and_reads_only_selected_pages():
             keep[table[b, h, pages].long()] = True
     poisoned_k[~keep] = float("nan")
     poisoned_v[~keep] = float("nan")
-    out = cpu_attention.sparse_decode_attention(q, poisoned_k, poisoned_v, table, counts, sel, 0.125)
+    out = cpu_kernels.sparse_decode_attention(q, poisoned_k, poisoned_v, table, counts, sel, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_op_set_uses_the_kernel():
-    assert load_ops("cpu").paged_decode_attention is cpu_attention.paged_decode_attention
-    assert load_ops("cpu").sparse_decode_attention is cpu_attention.sparse_decode_attention
+    assert load_ops("cpu").paged_decode_attention is cpu_kernels.paged_decode_attention
+    assert load_ops("cpu").sparse_decode_attention is cpu_kernels.sparse_decode_attention
+    assert load_ops("cpu").page_scores is cpu_kernels.page_scores
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_scores_read_rows_and_heads_in_place(dtype):
+    """The C++ scorer on a strided one-layer view of a [S, L, Hkv, M, D] cache equals the torch reference."""
+    from systems.engine.ops import torch_scoring
+    g = torch.Generator().manual_seed(1)
+    S, L, Hkv, M, D, G = 5, 3, 4, 20, 64, 3
+    a, b = torch.randn(S, L, Hkv, M, D, generator=g), torch.randn(S, L, Hkv, M, D, generator=g)
+    kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    rows, heads = torch.tensor([4, 0, 2]), torch.tensor([3, 1])
+    q = torch.randn(3, 2 * G, D, generator=g)
+    num_pages = torch.tensor([[20, 7], [1, 13], [19, 20]])
+    layer = 1
+    ref = torch_scoring.page_scores(q, kmin[:, layer, :, :18], kmax[:, layer, :, :18], num_pages, rows, heads)
+    out = cpu_kernels.page_scores(q, kmin[:, layer, :, :18], kmax[:, layer, :, :18], num_pages, rows, heads)
+    assert out.shape == (3, 2, 18)
+    assert torch.equal(torch.isinf(out), torch.isinf(ref))
+    finite = ~torch.isinf(ref)
+    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-4, atol=1e-3)

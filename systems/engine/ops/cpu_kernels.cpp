@@ -1,0 +1,422 @@
+// Fused CPU kernels of the engine: paged decode attention (all or selected pages) and Quest page scores.
+//
+// Why a kernel: on a CPU the torch path either gathers the pages (an extra copy of every K/V byte) or runs one small
+// matmul per (sequence, page run) with ~100 us of framework overhead each. Here every (sequence, KV head) is one
+// task; it reads its pages in place through the block table, converts bf16 to fp32 in registers, and keeps an online
+// softmax (running max, sum, fp32 accumulator) per query head, so K and V are each read exactly once.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits) {  // bf16: the high half of an fp32
+  uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7, branch-free so loops vectorize.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float r = (t - n) * 0.693147180559945309f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
+constexpr int kMaxGroup = 16;
+constexpr int kMaxPage = 256;
+
+// Every page of a head, in table order: page j holds min(P, n - j*P) tokens.
+struct AllPages {
+  const int32_t* table;
+  int64_t n;
+  int P;
+  int64_t count() const { return (n + P - 1) / P; }
+  void at(int64_t j, int64_t* block, int* valid) const {
+    *block = table[j];
+    *valid = static_cast<int>(std::min<int64_t>(P, n - j * P));
+  }
+};
+
+// Only the selected logical pages (any order, entries < 0 are padding): softmax does not care about order, so
+// the list is used as it comes; the head's partial last page holds n - last*P tokens.
+struct SelectedPages {
+  const int64_t* selected;
+  int64_t K;
+  const int32_t* table;
+  int64_t n;
+  int P;
+  int64_t count() const { return K; }
+  void at(int64_t j, int64_t* block, int* valid) const {
+    const int64_t page = selected[j];
+    if (page < 0) {
+      *valid = 0;
+      return;
+    }
+    *block = table[page];
+    *valid = static_cast<int>(std::min<int64_t>(P, n - page * P));
+  }
+};
+
+// One (sequence, KV head): G query rows q [G, D] (fp32, pre-scaled) over n tokens in the listed blocks.
+template <typename T, int D, typename Pages>
+void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const Pages& list, int P,
+                 float* out /* [G, D] */) {
+  float m[kMaxGroup], l[kMaxGroup];
+  alignas(64) float acc[kMaxGroup][D];
+  alignas(64) float s[kMaxGroup][kMaxPage];
+  alignas(64) float row[D];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
+  }
+  const int64_t pages = list.count();
+  for (int64_t j = 0; j < pages; ++j) {
+    int64_t block = 0;
+    int valid = 0;
+    list.at(j, &block, &valid);
+    if (valid <= 0) continue;
+    const int64_t base = block * P * D;
+    const T* kp = k_pool + base;
+    const T* vp = v_pool + base;
+    for (int t = 0; t < valid; ++t) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) row[d] = to_float(kp[t * D + d]);
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += q[g * D + d] * row[d];
+        s[g][t] = dot;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float page_max = m[g];
+      for (int t = 0; t < valid; ++t) page_max = s[g][t] > page_max ? s[g][t] : page_max;
+      const float corr = exp_nonpos(m[g] - page_max);  // m = -inf on the first page: exp clamps to ~0
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < valid; ++t) {
+        const float e = exp_nonpos(s[g][t] - page_max);
+        s[g][t] = e;
+        sum += e;
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = page_max;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] *= corr;
+    }
+    for (int t = 0; t < valid; ++t) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) row[d] = to_float(vp[t * D + d]);
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g][t];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += p * row[d];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define KVH_HAVE_AVX512_BF16 1
+
+// bf16 pools on CPUs with AVX512-BF16: q.k by vdpbf16ps straight from the stored pages, p.v by fp32 FMAs.
+template <int D, typename Pages>
+void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_pool, const uint16_t* v_pool,
+                      const Pages& list, int P, float* out) {
+  constexpr int NB = D / 32;  // 32 bf16 per register
+  constexpr int NV = D / 16;  // 16 fp32 per register
+  __m512bh qv[kMaxGroup][NB];
+  __m512 acc[kMaxGroup][NV];
+  float m[kMaxGroup], l[kMaxGroup];
+  alignas(64) float s[kMaxGroup][kMaxPage];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NB; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  const int64_t pages = list.count();
+  int64_t block = 0, next_block = 0;
+  int valid = 0, next_valid = 0;
+  if (pages) list.at(0, &next_block, &next_valid);
+  for (int64_t j = 0; j < pages; ++j) {
+    block = next_block;
+    valid = next_valid;
+    if (j + 1 < pages) {  // prefetch the next page: pages are scattered blocks, beyond the hardware prefetcher
+      list.at(j + 1, &next_block, &next_valid);
+      if (next_valid > 0) {
+        const int64_t next = next_block * P * D;
+        for (int off = 0; off < next_valid * D; off += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_pool + next + off), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_pool + next + off), _MM_HINT_T0);
+        }
+      }
+    }
+    if (valid <= 0) continue;
+    const int64_t base = block * P * D;
+    const uint16_t* kp = k_pool + base;
+    const uint16_t* vp = v_pool + base;
+    for (int t = 0; t < valid; ++t) {
+      __m512bh kv[NB];
+      for (int c = 0; c < NB; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + t * D + c * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+        for (int c = 1; c < NB; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kv[c]);
+        s[g][t] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float page_max = m[g];
+      for (int t = 0; t < valid; ++t) page_max = s[g][t] > page_max ? s[g][t] : page_max;
+      const float corr = exp_nonpos(m[g] - page_max);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < valid; ++t) {
+        const float e = exp_nonpos(s[g][t] - page_max);
+        s[g][t] = e;
+        sum += e;
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = page_max;
+      const __m512 cv = _mm512_set1_ps(corr);
+      for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+    }
+    for (int t = 0; t < valid; ++t) {
+      __m512 vv[NV];
+      for (int c = 0; c < NV; ++c)
+        vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + t * D + c * 16)));
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g][t]);
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+#endif
+
+// The listed pages of row i = (sequence, KV head) of a batched call.
+struct Listing {
+  const int32_t* table;      // [rows, M]
+  const int32_t* counts;     // [rows]
+  const int64_t* selected;   // [rows, K] or null: all pages
+  int64_t M, K;
+  int P;
+  AllPages all(int64_t i) const { return AllPages{table + i * M, counts[i], P}; }
+  SelectedPages chosen(int64_t i) const { return SelectedPages{selected + i * K, K, table + i * M, counts[i], P}; }
+};
+
+template <typename T, int D>
+void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G, float* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (ls.selected)
+        attend_head<T, D>(q + i * G * D, G, k, v, ls.chosen(i), ls.P, out + i * G * D);
+      else
+        attend_head<T, D>(q + i * G * D, G, k, v, ls.all(i), ls.P, out + i * G * D);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_generic(int64_t D, const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G,
+                      float* out) {
+  switch (D) {
+    case 16: return run_generic<T, 16>(q, k, v, ls, rows, G, out);
+    case 32: return run_generic<T, 32>(q, k, v, ls, rows, G, out);
+    case 64: return run_generic<T, 64>(q, k, v, ls, rows, G, out);
+    case 96: return run_generic<T, 96>(q, k, v, ls, rows, G, out);
+    case 128: return run_generic<T, 128>(q, k, v, ls, rows, G, out);
+    case 256: return run_generic<T, 256>(q, k, v, ls, rows, G, out);
+    default: TORCH_CHECK(false, "decode attention: head_dim ", D, " not compiled (16, 32, 64, 96, 128, 256)");
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                            const at::Tensor& block_table, const at::Tensor& num_tokens,
+                            const c10::optional<at::Tensor>& selected, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && block_table.dim() == 3, "decode attention: bad ranks");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "decode attention: pools must be contiguous");
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode attention: K/V dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && num_tokens.scalar_type() == at::kInt,
+              "decode attention: block_table and num_tokens must be int32");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = block_table.size(1);
+  const int P = static_cast<int>(k_pool.size(1));
+  const int G = static_cast<int>(Hq / Hkv);
+  TORCH_CHECK(Hq % Hkv == 0 && G <= kMaxGroup && P <= kMaxPage && k_pool.size(2) == D,
+              "decode attention: unsupported shapes");
+  TORCH_CHECK(num_tokens.min().item<int>() >= 1, "decode attention: every head needs at least one token");
+  at::Tensor table = block_table.contiguous(), counts = num_tokens.contiguous();
+  at::Tensor sel;
+  Listing ls{table.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), nullptr, table.size(2), 0, P};
+  if (selected.has_value()) {
+    sel = selected->to(at::kLong).contiguous();
+    TORCH_CHECK(sel.dim() == 3 && sel.size(0) == B && sel.size(1) == Hkv, "decode attention: selected [B, Hkv, K]");
+    ls.selected = sel.data_ptr<int64_t>();
+    ls.K = sel.size(2);
+  }
+  at::Tensor out = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const int64_t rows = B * Hkv;
+#ifdef KVH_HAVE_AVX512_BF16
+  if (k_pool.scalar_type() == at::kBFloat16 && (D == 64 || D == 128)) {
+    at::Tensor qb = q.to(at::kBFloat16).contiguous();
+    const uint16_t* qp = reinterpret_cast<const uint16_t*>(qb.data_ptr());
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
+    const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
+    const float sc = static_cast<float>(scale);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint16_t* qi = qp + i * G * D;
+        float* oi = op + i * G * D;
+        if (D == 64) {
+          if (ls.selected) attend_head_bf16<64>(qi, G, sc, kp, vp, ls.chosen(i), P, oi);
+          else attend_head_bf16<64>(qi, G, sc, kp, vp, ls.all(i), P, oi);
+        } else {
+          if (ls.selected) attend_head_bf16<128>(qi, G, sc, kp, vp, ls.chosen(i), P, oi);
+          else attend_head_bf16<128>(qi, G, sc, kp, vp, ls.all(i), P, oi);
+        }
+      }
+    });
+    return out.to(q.scalar_type());
+  }
+#endif
+  at::Tensor qs = (q.to(at::kFloat) * scale).contiguous();
+  if (k_pool.scalar_type() == at::kBFloat16) {
+    dispatch_generic<uint16_t>(D, qs.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_pool.data_ptr()),
+                               reinterpret_cast<const uint16_t*>(v_pool.data_ptr()), ls, rows, G, op);
+  } else {
+    TORCH_CHECK(k_pool.scalar_type() == at::kFloat, "decode attention: pools must be bf16 or fp32");
+    dispatch_generic<float>(D, qs.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), ls, rows,
+                            G, op);
+  }
+  return out.to(q.scalar_type());
+}
+
+// Quest bounds for (row, head) pairs read in place from one layer's MinMax cache kmin/kmax [S, Hkv, W, D] (any
+// strides, last dim contiguous): score = max over the head's query group of q+ . kmax + q- . kmin (equal to
+// sum_d max(q_d kmin_d, q_d kmax_d) because kmin <= kmax), -inf from num_pages on.
+template <typename T>
+void score_rows(const float* qpos, const float* qneg, const T* kmin, const T* kmax, const int64_t* rows,
+                const int64_t* heads, const int64_t* n_pages, int64_t B, int64_t H, int64_t W, int64_t D, int G,
+                const int64_t* st, float* out) {
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / H, hi = i % H;
+      const int64_t off = rows[b] * st[0] + heads[hi] * st[1];
+      const int64_t n = std::min<int64_t>(n_pages[i], W);
+      float* o = out + i * W;
+      const float* qp = qpos + i * G * D;
+      const float* qn = qneg + i * G * D;
+      int64_t m = 0;
+#ifdef KVH_HAVE_AVX512_BF16
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (D % 16 == 0 && D <= 256 && G <= kMaxGroup) {
+          for (; m < n; ++m) {
+            const uint16_t* lo = kmin + off + m * st[2];
+            const uint16_t* hi_ = kmax + off + m * st[2];
+            __m512 acc[kMaxGroup];
+            for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < D; c += 16) {
+              const __m512 l = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + c)));
+              const __m512 h = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_ + c)));
+              for (int g = 0; g < G; ++g) {
+                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + g * D + c), h, acc[g]);
+                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qn + g * D + c), l, acc[g]);
+              }
+            }
+            float best = -INFINITY;
+            for (int g = 0; g < G; ++g) {
+              const float v = _mm512_reduce_add_ps(acc[g]);
+              best = v > best ? v : best;
+            }
+            o[m] = best;
+          }
+        }
+      }
+#endif
+      for (; m < n; ++m) {
+        const T* lo = kmin + off + m * st[2];
+        const T* hi_ = kmax + off + m * st[2];
+        float best = -INFINITY;
+        for (int g = 0; g < G; ++g) {
+          float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d)
+            acc += qp[g * D + d] * to_float(hi_[d]) + qn[g * D + d] * to_float(lo[d]);
+          best = acc > best ? acc : best;
+        }
+        o[m] = best;
+      }
+      for (int64_t m = n; m < W; ++m) o[m] = -INFINITY;
+    }
+  });
+}
+
+at::Tensor page_scores(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax,
+                       const at::Tensor& num_pages, const at::Tensor& rows, const at::Tensor& heads) {
+  TORCH_CHECK(kmin.dim() == 4 && kmin.strides() == kmax.strides() && kmin.stride(3) == 1,
+              "page_scores: kmin/kmax [S, Hkv, W, D] with equal strides and a contiguous last dim");
+  TORCH_CHECK(kmin.scalar_type() == kmax.scalar_type(), "page_scores: kmin/kmax dtypes differ");
+  const int64_t B = rows.size(0), H = heads.size(0), W = kmin.size(2), D = kmin.size(3);
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == B && q.size(1) % H == 0 && q.size(2) == D, "page_scores: q [B, H*G, D]");
+  const int G = static_cast<int>(q.size(1) / H);
+  at::Tensor qf = q.to(at::kFloat).contiguous();
+  at::Tensor qpos = qf.clamp_min(0).contiguous(), qneg = qf.clamp_max(0).contiguous();
+  at::Tensor r = rows.to(at::kLong).contiguous(), h = heads.to(at::kLong).contiguous();
+  at::Tensor np = num_pages.to(at::kLong).contiguous();
+  at::Tensor out = at::empty({B, H, W}, q.options().dtype(at::kFloat));
+  const int64_t st[3] = {kmin.stride(0), kmin.stride(1), kmin.stride(2)};
+  if (kmin.scalar_type() == at::kBFloat16) {
+    score_rows<uint16_t>(qpos.data_ptr<float>(), qneg.data_ptr<float>(),
+                         reinterpret_cast<const uint16_t*>(kmin.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(kmax.data_ptr()), r.data_ptr<int64_t>(),
+                         h.data_ptr<int64_t>(), np.data_ptr<int64_t>(), B, H, W, D, G, st, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(kmin.scalar_type() == at::kFloat, "page_scores: MinMax cache must be bf16 or fp32");
+    score_rows<float>(qpos.data_ptr<float>(), qneg.data_ptr<float>(), kmin.data_ptr<float>(),
+                      kmax.data_ptr<float>(), r.data_ptr<int64_t>(), h.data_ptr<int64_t>(), np.data_ptr<int64_t>(),
+                      B, H, W, D, G, st, out.data_ptr<float>());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvharness_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor num_tokens, "
+        "Tensor? selected, float scale) -> Tensor", &decode_attention);
+  m.def("page_scores(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, Tensor rows, Tensor heads) -> Tensor",
+        &page_scores);
+}

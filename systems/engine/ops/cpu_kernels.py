@@ -1,0 +1,79 @@
+"""The CPU path's fused kernels (cpu_kernels.cpp: decode attention, page scores), built once per machine on first use."""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from systems.engine.ops import torch_attention, torch_scoring
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_kernels.cpp)
+MAX_PAGE, MAX_GROUP = 256, 16
+
+
+def _build() -> bool:
+    """Compile and register torch.ops.kvharness_cpu (cached under TORCH_EXTENSIONS_DIR, ~20 s the first time)."""
+    from torch.utils.cpp_extension import load
+
+    # -march=native is safe: the build cache lives on the machine that runs it, keyed by source and flags.
+    # -fopenmp makes at::parallel_for use torch's own OpenMP pool (the same libgomp.so.1 is already loaded).
+    load(name="kvharness_cpu_kernels", sources=[str(_SOURCE)], is_python_module=False,
+         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    return hasattr(torch.ops.kvharness_cpu, "decode_attention")
+
+
+def available() -> bool:
+    """Whether the kernels are built (building them if needed); KVHARNESS_CPU_KERNELS=0 forces the torch path."""
+    if os.environ.get("KVHARNESS_CPU_KERNELS", "1") == "0":
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                _state["ok"] = _build()
+            except Exception as exc:  # no compiler or headers: the torch path is correct, only slower
+                warnings.warn(f"CPU kernels not built ({type(exc).__name__}: {str(exc).splitlines()[0]}); using "
+                              "the torch path. Install gcc/g++ to get the fused kernels.")
+                _state["ok"] = False
+        return bool(_state["ok"])
+
+
+def _fits(q: torch.Tensor, pool: torch.Tensor, num_kv_heads: int) -> bool:
+    return (pool.dtype in (torch.bfloat16, torch.float32) and q.shape[-1] in HEAD_DIMS and pool.shape[1] <= MAX_PAGE
+            and q.shape[1] // num_kv_heads <= MAX_GROUP and pool.is_contiguous() and available())
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                           num_tokens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as torch_attention.paged_decode_attention; reads the listed pages in place."""
+    if not _fits(q, k_pool, block_table.shape[1]):
+        return torch_attention.paged_decode_attention(q, k_pool, v_pool, block_table, num_tokens, scale)
+    return torch.ops.kvharness_cpu.decode_attention(q, k_pool, v_pool, block_table.to(torch.int32),
+                                                    num_tokens.to(torch.int32), None, float(scale))
+
+
+def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as torch_attention.sparse_decode_attention; the selected pages are read in the order given
+    (no gathered table), unselected pages never."""
+    if not _fits(q, k_pool, block_table.shape[1]):
+        return torch_attention.sparse_decode_attention(q, k_pool, v_pool, block_table, num_tokens, selected_pages,
+                                                       scale)
+    return torch.ops.kvharness_cpu.decode_attention(q, k_pool, v_pool, block_table.to(torch.int32),
+                                                    num_tokens.to(torch.int32), selected_pages, float(scale))
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,
+                rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as torch_scoring.page_scores; reads kmin/kmax in place through rows and heads."""
+    if (kmin.dtype not in (torch.bfloat16, torch.float32) or kmin.stride(-1) != 1 or kmin.stride() != kmax.stride()
+            or not available()):
+        return torch_scoring.page_scores(q, kmin, kmax, num_pages, rows, heads)
+    rows = torch.arange(kmin.shape[0]) if rows is None else rows
+    heads = torch.arange(kmin.shape[1]) if heads is None else heads
+    return torch.ops.kvharness_cpu.page_scores(q, kmin, kmax, num_pages, rows, heads)
