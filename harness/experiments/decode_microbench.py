@@ -1,7 +1,7 @@
 """Per-layer decode attention latency (selection + attention) vs batch size at a fixed context (FlexiCache F7, F8).
 
 For each system of exp.params.systems (conf/system names: dense, quest, flexicache, flexicache_naive, ...; else
-those of exp.systems) and each batch size, one layer of
+those of exp.systems) and each batch size, `layers` layers of
 the engine's paged KV storage (systems.engine.kv_cache) is filled with `context` random tokens per sequence and the
 system's policy prepares it as after a real prefill (FlexiCache offloads stable heads and frees their non-top-K
 blocks). Then `steps` decode steps run exactly what the engine's attention callback runs for one layer: append the
@@ -43,7 +43,7 @@ from systems.policies import load_policy
 from systems.policies.base import DecodeStep, SeqInfo
 from systems.registry import SystemConfigError, check_system
 
-DEFAULTS = {"context": 8192, "batch_sizes": [1, 4, 16], "steps": 32, "warmup": 4, "layer": 2,
+DEFAULTS = {"context": 8192, "batch_sizes": [1, 4, 16], "steps": 32, "warmup": 4, "layer": 2, "layers": 8,
             "unstable_fraction": 0.25, "streaming_fraction": 0.5, "query_noise": 0.1, "systems": [],
             "device": "auto", "seed": 0, "reference": None,
             "num_q_heads": None, "num_kv_heads": None, "head_dim": None}
@@ -72,7 +72,7 @@ def bench_systems(cfg: DictConfig, cells: list[Cell], p: dict, num_kv_heads: int
                 s.merge_with(extra)
     else:
         loaded = [c.system for c in cells]
-    out, seen, layer = [], set(), int(p["layer"])
+    out, seen, layer, n_layers = [], set(), int(p["layer"]), int(p["layers"])
     for s in loaded:
         if s.name in seen:
             continue
@@ -83,7 +83,8 @@ def bench_systems(cfg: DictConfig, cells: list[Cell], p: dict, num_kv_heads: int
             s.params["budget"] = int(p["budget"])
         for key, share in (("unstable_heads", p["unstable_fraction"]), ("streaming_heads", p["streaming_fraction"])):
             if key in fields:
-                s.params[key] = [[layer, h] for h in range(round(float(share) * num_kv_heads))]
+                s.params[key] = [[lay, h] for lay in range(layer, layer + n_layers)
+                                 for h in range(round(float(share) * num_kv_heads))]
         check_system(s)
         out.append(s)
     bad = [s.name for s in out if s.backend != "engine"]
@@ -99,15 +100,17 @@ def _sync(device: torch.device) -> None:
 
 def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: dict, device: torch.device,
                 dtype: torch.dtype) -> dict[str, Any]:
-    """Time `steps` decode steps of one layer for `batch` sequences of `context` tokens under the system's policy."""
-    layer, n, steps, page = int(p["layer"]), int(p["context"]), int(p["steps"]), int(system_cfg.engine.page_size)
+    """Time `steps` decode steps of `layers` layers for `batch` sequences of `context` tokens under the system's
+    policy; the times returned are per layer and step."""
+    first, n, steps, page = int(p["layer"]), int(p["context"]), int(p["steps"]), int(system_cfg.engine.page_size)
+    layers = list(range(first, first + int(p["layers"])))
     hq, hkv, d = dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"]
     params = OmegaConf.to_container(system_cfg.params, resolve=True)
     policy = load_policy(system_cfg.policy, params)
     total = n + int(p["warmup"]) + steps + 1
     elem = torch.empty((), dtype=dtype).element_size()
-    need_gb = batch * hkv * (-(-total // page) + 1) * 2 * page * d * elem / GIB
-    kv = TieredKVCache(num_layers=layer + 1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
+    need_gb = len(layers) * batch * hkv * (-(-total // page) + 1) * 2 * page * d * elem / GIB
+    kv = TieredKVCache(num_layers=layers[-1] + 1, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page,
                        max_seqs=batch, max_model_len=total, device_memory_gb=need_gb * 1.05 + 0.01,
                        host_memory_gb=need_gb * 1.05 + 0.01, dtype=dtype, device=device, ops=load_ops(device))
     ops = kv.ops
@@ -117,50 +120,54 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: dict, device:
     direction = rand(batch, hq, d)
     for slot in range(batch):
         policy.reset(slot)
-        k, v = rand(n, hkv, d), rand(n, hkv, d)
-        q = direction[slot].expand(n, hq, d) + float(p["query_noise"]) * rand(n, hq, d)
-        kv.store_prefill(slot, layer, k, v)
-        policy.after_prefill_layer(kv, SeqInfo(slot, f"r{slot}", n, n, 0, steps), layer, q, k)
+        for layer in layers:
+            k, v = rand(n, hkv, d), rand(n, hkv, d)
+            q = direction[slot].expand(n, hq, d) + float(p["query_noise"]) * rand(n, hq, d)
+            kv.store_prefill(slot, layer, k, v)
+            policy.after_prefill_layer(kv, SeqInfo(slot, f"r{slot}", n, n, 0, steps), layer, q, k)
     kv.sync_copies()
     slots = torch.arange(batch, device=device)
     timings = {"select_s": 0.0, "attention_s": 0.0, "after_append_s": 0.0}
     pages_read = 0
     for t in range(1, int(p["warmup"]) + steps + 1):
         need = kv.decode_blocks_needed(slots)
-        need[:, :layer] = False                                   # only the benchmarked layer holds KV
+        need[:, :first] = False                                   # only the benchmarked layers hold KV
         kv.allocate_decode(slots, need)
-        kv.append_decode(slots, layer, rand(batch, hkv, d), rand(batch, hkv, d))
-        q = direction + float(p["query_noise"]) * rand(batch, hq, d)
-        step = DecodeStep(layer=layer, slots=slots, seqs=[SeqInfo(s, f"r{s}", n, n + t, t, steps)
-                                                          for s in range(batch)], q=q)
-        _sync(device)
-        t0 = time.perf_counter()
-        selected = policy.select_pages(kv, step)
-        _sync(device)
-        t1 = time.perf_counter()
-        if selected is None:                                      # exactly the engine's attention call
-            table, counts = kv.decode_tables(slots, layer)
-            ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
-        else:
-            ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table[slots, layer],
-                                        kv.num_tokens[slots, layer], selected, kv.scale)
-        _sync(device)
-        t2 = time.perf_counter()
-        policy.after_append(kv, step)
-        kv.sync_copies()
-        _sync(device)
-        t3 = time.perf_counter()
-        if t > int(p["warmup"]):
-            timings["select_s"] += t1 - t0
-            timings["attention_s"] += t2 - t1
-            timings["after_append_s"] += t3 - t2
-            pages_read += (int(-(-kv.num_tokens[slots, layer].long() // kv.page_size).sum()) if selected is None
-                           else int((selected >= 0).sum()))
+        seqs = [SeqInfo(s, f"r{s}", n, n + t, t, steps) for s in range(batch)]
+        for layer in layers:
+            kv.append_decode(slots, layer, rand(batch, hkv, d), rand(batch, hkv, d))
+            q = direction + float(p["query_noise"]) * rand(batch, hq, d)
+            step = DecodeStep(layer=layer, slots=slots, seqs=seqs, q=q)
+            _sync(device)
+            t0 = time.perf_counter()
+            selected = policy.select_pages(kv, step)
+            _sync(device)
+            t1 = time.perf_counter()
+            if selected is None:                                  # exactly the engine's attention call
+                table, counts = kv.decode_tables(slots, layer)
+                ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
+            else:
+                ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table[slots, layer],
+                                            kv.num_tokens[slots, layer], selected, kv.scale)
+            _sync(device)
+            t2 = time.perf_counter()
+            policy.after_append(kv, step)
+            kv.sync_copies()
+            _sync(device)
+            t3 = time.perf_counter()
+            if t > int(p["warmup"]):
+                timings["select_s"] += t1 - t0
+                timings["attention_s"] += t2 - t1
+                timings["after_append_s"] += t3 - t2
+                pages_read += (int(-(-kv.num_tokens[slots, layer].long() // kv.page_size).sum()) if selected is None
+                               else int((selected >= 0).sum()))
+    steps *= len(layers)                                          # per layer and step from here on
     per_step = {k.replace("_s", "_ms"): 1000 * v / steps for k, v in timings.items()}
     return {"system": system_cfg.name, "policy": system_cfg.policy, "batch": batch, "context": n,
             "budget": params.get("budget"), "total_ms": sum(per_step.values()), **per_step,
             "pages_read_per_head_step": pages_read / (steps * batch * hkv), "pages_per_head": -(-n // page),
-            "h2d_bytes_per_step": kv.bytes_host_to_device / (int(p["warmup"]) + steps),
+            "h2d_bytes_per_step": kv.bytes_host_to_device / ((int(p["warmup"]) + int(p["steps"])) * len(layers)),
+            "layers": len(layers),
             "device_kv_bytes": kv.device_blocks.used_bytes, **dims, "dtype": str(dtype).replace("torch.", ""),
             "device": str(device)}
 
@@ -221,9 +228,11 @@ def write_summary(cfg, results: list[dict], p: dict, out_dir: Path) -> dict[str,
              r["h2d_bytes_per_step"] / 1024] for r in results]
     r0 = results[0]
     parts = [f"# {cfg.exp.name}", "", glance, "", report.md_table(header, rows, 2), "",
-             f"One layer, {r0['num_q_heads']} query / {r0['num_kv_heads']} KV heads, head_dim {r0['head_dim']}, "
+             f"{r0['layers']} distinct layers timed per step (a real step's dense KV outgrows the CPU's last-level "
+             "cache; one layer alone would sit in it), "
+             f"{r0['num_q_heads']} query / {r0['num_kv_heads']} KV heads, head_dim {r0['head_dim']}, "
              f"{r0['dtype']} on {r0['device']}, {p['context']} tokens per sequence ({r0['pages_per_head']} pages per "
-             f"head), {p['steps']} timed decode steps after {p['warmup']}; times are per decode step of that layer. "
+             f"head), {p['steps']} timed decode steps after {p['warmup']}; times are per layer and decode step. "
              "select = the policy's page selection; attention = gather of the selected pages + paged decode "
              "attention; after_append = the policy's post-attention work (FlexiCache's host → device promotions).",
              "", f"Regenerate: `{report.command_line(cfg)}`.", "", report.provenance(cfg), ""]
