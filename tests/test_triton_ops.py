@@ -270,3 +270,20 @@ def test_gpu_check_cpu_smoke_run_writes_a_passing_report(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert report.startswith("# gpu-check: PASS") and "sparse_decode_attention | pass" in report
     assert (tmp_path / "report.json").exists()
+
+
+def test_page_scores_read_rows_and_heads_in_place():
+    """kv.score_pages' call: one layer's strided MinMax view, a subset of slots and KV heads, read in place."""
+    g = _gen(11)
+    S, L, Hkv, M, D, G = 5, 3, 4, 20, 64, 3
+    a, b = torch.randn(S, L, Hkv, M, D, generator=g), torch.randn(S, L, Hkv, M, D, generator=g)
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    rows, heads = torch.tensor([4, 0, 2]), torch.tensor([3, 1])
+    q = torch.randn(3, 2 * G, D, generator=g)
+    num_pages = torch.tensor([[20, 7], [1, 13], [19, 20]])
+    ref = torch_scoring.page_scores(q, kmin[:, 1, :, :18], kmax[:, 1, :, :18], num_pages, rows, heads)
+    qd, kd, hd, nd, rd, head_d = _to(DEV, q, kmin, kmax, num_pages, rows, heads)
+    out = triton_scoring.page_scores(qd, kd[:, 1, :, :18], hd[:, 1, :, :18], nd, rd, head_d)
+    assert out.shape == (3, 2, 18)
+    assert torch.equal(torch.isinf(out.cpu()), torch.isinf(ref))
+    torch.testing.assert_close(out.cpu(), ref, atol=1e-4, rtol=1e-5)
