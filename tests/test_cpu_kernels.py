@@ -1,4 +1,4 @@
-"""The fused CPU decode kernel (ops/cpu_kernels.cpp) against the torch reference, fp32 and bf16."""
+"""The fused CPU kernels (ops/cpu_attention.cpp, cpu_scoring.cpp) against the torch references, fp32 and bf16."""
 from __future__ import annotations
 
 import pytest
@@ -69,6 +69,8 @@ def test_cpu_op_set_uses_the_kernel():
     assert load_ops("cpu").paged_decode_attention is cpu_kernels.paged_decode_attention
     assert load_ops("cpu").sparse_decode_attention is cpu_kernels.sparse_decode_attention
     assert load_ops("cpu").page_scores is cpu_kernels.page_scores
+    assert load_ops("cpu").top_pages is cpu_kernels.top_pages
+    assert load_ops("cpu").resident_pages is cpu_kernels.resident_pages
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -89,3 +91,63 @@ def test_page_scores_read_rows_and_heads_in_place(dtype):
     assert torch.equal(torch.isinf(out), torch.isinf(ref))
     finite = ~torch.isinf(ref)
     torch.testing.assert_close(out[finite], ref[finite], rtol=1e-4, atol=1e-3)
+
+
+def _brute_top(scores, n, k, keep_last):
+    """The reference rule on one row of exact scores: ties to the lower page index."""
+    others = sorted(range(max(n - 1, 0)), key=lambda m: (-float(scores[m]), m))
+    if keep_last:
+        return set(range(n)) if n <= k else set(others[:k - 1]) | {n - 1}
+    return set(others[:k])
+
+
+def _minmax_case(dtype, seed, S=5, L=3, Hkv=4, M=45, D=64):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(S, L, Hkv, M, D, generator=g), torch.randn(S, L, Hkv, M, D, generator=g)
+    return torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype), g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keep_last", [True, False])
+@pytest.mark.parametrize("k", [1, 3, 16, 64])
+def test_top_pages_equal_brute_force_on_a_strided_view(dtype, keep_last, k):
+    """The fused scorer + top-K (C++) picks exactly the brute-force set of its own bounds (bf16 queries take the
+    vdpbf16ps path), reading rows and heads of one layer in place; pages come ascending, padding last."""
+    from systems.engine.ops import torch_scoring
+    kmin, kmax, g = _minmax_case(dtype, seed=k)
+    rows, heads = torch.tensor([4, 0, 2, 1]), torch.tensor([3, 1])
+    q = torch.randn(4, 2 * 3, 64, generator=g).to(dtype)
+    num_pages = torch.tensor([[45, 7], [1, 13], [39, 40], [2, 17]])
+    view = (kmin[:, 1, :, :45], kmax[:, 1, :, :45])
+    scores = cpu_kernels.page_scores(q, *view, num_pages, rows, heads)
+    ref_scores = torch_scoring.page_scores(q, *view, num_pages, rows, heads)
+    finite = ~torch.isinf(ref_scores)
+    torch.testing.assert_close(scores[finite], ref_scores[finite], rtol=1e-4, atol=1e-3)
+    out = cpu_kernels.top_pages(q, *view, num_pages, k, keep_last, rows, heads)
+    ref = torch_scoring.top_pages(q, *view, num_pages, k, keep_last, rows, heads)
+    assert out.shape == ref.shape == (4, 2, min(k, 45))
+    for b in range(4):
+        for h in range(2):
+            row = out[b, h].tolist()
+            pages = [p for p in row if p >= 0]
+            assert row == pages + [-1] * (len(row) - len(pages)) and pages == sorted(set(pages))
+            n = int(num_pages[b, h])
+            assert set(pages) == _brute_top(scores[b, h], n, k, keep_last)
+            ref_set = {p for p in ref[b, h].tolist() if p >= 0}
+            assert len(ref_set) == len(pages)                           # the torch reference agrees up to ties
+            assert len(ref_set & set(pages)) >= len(pages) - 1
+
+
+def test_resident_pages_equal_reference_on_strided_tables():
+    from systems.engine.ops import torch_scoring
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(1, 100, (4, 5, 3, 30), generator=g, dtype=torch.int32)
+    table = torch.where(torch.rand(4, 5, 3, 30, generator=g) < 0.3, blocks, 0)[:, 2]      # one layer: strided
+    num_pages = torch.randint(0, 31, (4, 3), generator=g)
+    num_pages[0, 0] = 30
+    out = cpu_kernels.resident_pages(table, num_pages)
+    assert torch.equal(out, torch_scoring.resident_pages(table, num_pages))
+    for b in range(4):
+        for h in range(3):
+            want = [m for m in range(int(num_pages[b, h])) if table[b, h, m] != 0]
+            assert out[b, h].tolist() == want + [-1] * (out.shape[-1] - len(want))

@@ -124,3 +124,33 @@ def test_page_scores_matches_brute_force():
                 per_q = [sum(max(float(q[bb, hq, d] * kmin[bb, h, m, d]), float(q[bb, hq, d] * kmax[bb, h, m, d]))
                              for d in range(D)) for hq in range(h * 2, h * 2 + 2)]
                 assert abs(float(scores[bb, h, m]) - max(per_q)) < 1e-4
+
+
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_top_pages_reference_matches_brute_force(keep_last):
+    """torch_scoring.top_pages (the CUDA path, over the Triton scorer there): the brute-force page set."""
+    from systems.engine.ops.torch_scoring import top_pages
+    g = torch.Generator().manual_seed(6)
+    B, Hq, Hkv, M, D, k = 3, 6, 3, 11, 8, 4
+    q = torch.randn(B, Hq, D, generator=g)
+    a, b = torch.randn(B, Hkv, M, D, generator=g), torch.randn(B, Hkv, M, D, generator=g)
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    num_pages = torch.randint(1, M + 1, (B, Hkv), generator=g)
+    num_pages[0, 0] = 1
+    scores = page_scores(q, kmin, kmax, num_pages)
+    out = top_pages(q, kmin, kmax, num_pages, k, keep_last)
+    for bb in range(B):
+        for h in range(Hkv):
+            n = int(num_pages[bb, h])
+            others = sorted(range(n - 1), key=lambda m: -float(scores[bb, h, m]))
+            want = (set(range(n)) if n <= k else set(others[:k - 1]) | {n - 1}) if keep_last else set(others[:k])
+            got = [int(p) for p in out[bb, h] if p >= 0]
+            assert len(got) == len(set(got)) and set(got) == want
+
+
+def test_cuda_op_set_ranks_pages_with_the_devices_scorer():
+    """Without a fused top-K kernel, the reference top_pages is bound to the device's page scorer."""
+    triton_scoring = pytest.importorskip("systems.engine.ops.triton_scoring")
+    from systems.engine.ops import load_ops
+    ops = load_ops("cuda")
+    assert ops.top_pages.keywords["scorer"] is ops.page_scores is triton_scoring.page_scores

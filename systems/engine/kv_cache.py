@@ -170,6 +170,19 @@ class TieredKVCache:
         return self.ops.page_scores(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
                                     slots, heads)
 
+    def top_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: int, keep_last: bool = True,
+                  heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+        counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
+        n_pages = -(-counts.long() // self.page_size)
+        width = int(n_pages.max()) if width is None else width
+        return self.ops.top_pages(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages, k,
+                                  keep_last, slots, heads)
+
+    def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+        table = self.block_table[slots, layer] if heads is None else self.block_table[slots, layer][:, heads]
+        counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
+        return self.ops.resident_pages(table, -(-counts.long() // self.page_size))
+
     # ---- KVView: eviction ----------------------------------------------------------------------------------------
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
         P = self.page_size

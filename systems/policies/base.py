@@ -102,6 +102,16 @@ class KVView(Protocol):
         head's score is the max over its query group of sum_d max(q_d*kmin_d, q_d*kmax_d). The engine's kernel
         reads the cache in place (Triton on CUDA, C++ on CPU)."""
 
+    def top_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: int, keep_last: bool = True,
+                  heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+        """The page sets score_pages' bounds rank best, without the score tensor: [B, H, min(k, W)] int64, any
+        order, padded with -1. keep_last: each head's last page plus its k - 1 best other pages (every page when it
+        holds <= k); otherwise the k best pages excluding the last. Ties may resolve either way."""
+
+    def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """The logical pages each listed head holds on the device: [B, H, W] int64, ascending, padded with -1 (W =
+        the longest list, at least 1) — a select_pages answer for heads that read everything they hold."""
+
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
         """Evict for good: head h keeps only the storage indices keep[h] (1-D int, ascending, unique), compacted into
         its leading pages; surplus device (and host) blocks are freed and MinMax recomputed. Heads may keep different

@@ -70,6 +70,9 @@ class FlexiCache(Policy):
         for layer, head in heads:
             self.unstable[layer, head] = True
         self._unstable_cpu = self.unstable.cpu()
+        self._stable_heads = [(~row).nonzero().view(-1) for row in self.unstable]
+        self._unstable_heads = [row.nonzero().view(-1) for row in self.unstable]
+        self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
         elem = kv.k_pool.element_size()
         self.bytes_per_block = 2 * kv.page_size * kv.head_dim * elem
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
@@ -102,7 +105,7 @@ class FlexiCache(Policy):
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        stable = (~self.unstable[layer]).nonzero().view(-1)
+        stable = self._stable_heads[layer]
         if stable.numel() == 0:
             return
         slot, P = seq.slot, kv.page_size
@@ -116,9 +119,8 @@ class FlexiCache(Policy):
             self._tier_call(kv.offload_pages, slot, layer, hh, pp)
             stats["offloaded_pages"] += hh.numel()
         if n_pages - 1 > self.top_k:
-            num_pages = torch.full((1, kv.num_kv_heads), n_pages, device=kv.device)
-            scores = kv.score_pages(torch.tensor([slot], device=kv.device), layer, q[-1:], width=n_pages)
-            top = selection.candidates_topk(scores, num_pages, self.top_k)[0, stable]          # [s, K]
+            top = kv.top_pages(torch.tensor([slot], device=kv.device), layer, self._group_q(kv, q[-1:], stable),
+                               self.top_k, keep_last=False, heads=stable, width=n_pages)[0]         # [s, K]
             keep = selection.as_mask(top, n_pages)
             keep[:, n_pages - 1] = True
             hi, pp = (~keep).nonzero(as_tuple=True)
@@ -138,46 +140,50 @@ class FlexiCache(Policy):
         return [b for b, s in enumerate(seqs) if s.decode_step == 1 or s.decode_step % self.rerank_interval == 0]
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
-        layer, slots = step.layer, step.slots
+        layer, slots, K = step.layer, step.slots, self.top_k
         num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)          # [B, Hkv]
         width = int(num_pages.max())
-        valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
-        resident = (kv.block_table[slots, layer, :, :width] != 0) & valid
-        read = resident.clone()
-        unstable = self.unstable[layer]
-        rows = self._reranks(step.seqs)
-        stable = (~unstable).nonzero().view(-1)
-        heads_u = unstable.nonzero().view(-1)
-        if heads_u.numel() and width > self.top_k + 1:                # unstable heads: top-K + last page every step
-            rows_u = torch.arange(len(step.seqs), device=kv.device)
-            scores = self._scores(kv, step, rows_u, heads_u, width)
-            top = selection.topk_with_last(scores, num_pages[:, heads_u], self.top_k + 1)
-            read[rows_u.view(-1, 1), heads_u.view(1, -1)] = selection.as_mask(top, width)
-        if rows and stable.numel():                                   # stable heads: swap map for the next step
-            r = torch.tensor(rows, device=kv.device)
-            scores = self._scores(kv, step, r, stable, width)
-            n_sel = num_pages[r][:, stable]
-            chosen = selection.as_mask(selection.candidates_topk(scores, n_sel, self.top_k), width)
-            chosen.scatter_(-1, (n_sel - 1).unsqueeze(-1), True)
-            self._pending[layer] = (r, stable, resident[r][:, stable], chosen)
-        if bool((read == valid).all()):
+        if width <= K + 1:                                            # nothing was released: every page is read
             return None
-        return selection.compact(read)
+        stable, unstable = self._stable_heads[layer], self._unstable_heads[layer]
+        rows = self._reranks(step.seqs)
+        if rows and stable.numel():                                   # stable heads: the next step's top-K
+            r = torch.tensor(rows, device=kv.device)
+            top = kv.top_pages(slots[r], layer, self._group_q(kv, step.q[r], stable), K, keep_last=False,
+                               heads=stable, width=width)
+            self._pending[layer] = (r, top)
+        # stable heads read what they hold on the device (top-K + last page, no scoring between reranks);
+        # unstable heads hold everything and read their top-K + last page, reranked every step
+        parts = []
+        if stable.numel():
+            parts.append((stable, kv.resident_pages(slots, layer, heads=stable)))
+        if unstable.numel():
+            parts.append((unstable, kv.top_pages(slots, layer, self._group_q(kv, step.q, unstable), K + 1,
+                                                 keep_last=True, heads=unstable, width=width)))
+        if len(parts) == 1:
+            return parts[0][1]
+        out = torch.full((len(step.seqs), kv.num_kv_heads, max(p.shape[-1] for _, p in parts)), selection.PAD,
+                         dtype=torch.long, device=kv.device)
+        for heads, pages in parts:
+            out[:, heads, :pages.shape[-1]] = pages
+        return out
 
-    def _scores(self, kv: KVView, step: DecodeStep, rows, heads, width) -> torch.Tensor:
+    @staticmethod
+    def _group_q(kv: KVView, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """The query rows of the given KV heads' groups: [B, len(heads) * G, D]."""
         G = kv.num_q_heads // kv.num_kv_heads
-        q = step.q[rows].view(rows.numel(), kv.num_kv_heads, G, -1)[:, heads].reshape(rows.numel(), -1, kv.head_dim)
-        return kv.score_pages(step.slots[rows], step.layer, q, heads=heads, width=width)
+        return q.view(q.shape[0], kv.num_kv_heads, G, -1)[:, heads].reshape(q.shape[0], -1, kv.head_dim)
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots, P = step.layer, step.slots, kv.page_size
         t0 = time.perf_counter()
-        stable = ~self.unstable[layer]
-        counts = kv.num_tokens[slots, layer].long()                                       # [B, Hkv]
-        filled = (counts % P == 0) & stable.view(1, -1)
-        b, h = filled.nonzero(as_tuple=True)
-        if b.numel():                                                 # a stable head's page just filled: host copy
-            page = counts[b, h] // P - 1
+        # nothing is dropped, so every head holds seq_len tokens: a page filled iff seq_len % P == 0
+        full = [b for b, seq in enumerate(step.seqs) if seq.seq_len % P == 0]
+        stable = self._stable_heads[layer]
+        if full and stable.numel():                                   # a stable head's page just filled: host copy
+            b = torch.tensor(full, device=kv.device).repeat_interleave(stable.numel())
+            h = stable.repeat(len(full))
+            page = kv.num_tokens[slots[b], layer, h].long() // P - 1
             fresh = kv.host_table[slots[b], layer, h, page] == 0
             b, h, page = b[fresh], h[fresh], page[fresh]
             kv.offload_pages(slots[b], torch.full_like(b, layer), h, page)
@@ -185,12 +191,24 @@ class FlexiCache(Policy):
                 self._stats[int(slot)]["offloaded_pages"] += int(n)
         pending = self._pending.pop(layer, None)
         if pending is not None:
-            self._swap(kv, step, *pending)
+            self._apply_rerank(kv, step, *pending)
         dt = time.perf_counter() - t0
         for seq in step.seqs:                                         # copy time split evenly over the batch
             self._stats[seq.slot]["copy_time_s"] += dt / len(step.seqs)
 
+    def _apply_rerank(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, top: torch.Tensor) -> None:
+        """The reranked rows' stable heads: the new top-K + last page against what they hold now."""
+        heads = self._stable_heads[step.layer]
+        num_pages = selection.pages_of(kv.num_tokens[step.slots[rows], step.layer][:, heads], kv.page_size)
+        M = int(num_pages.max())
+        valid = self._page_index[:M] < num_pages.unsqueeze(-1)
+        resident = (kv.block_table[step.slots[rows], step.layer][:, heads, :M] != 0) & valid
+        chosen = selection.as_mask(top, M)
+        chosen.scatter_(-1, (num_pages - 1).unsqueeze(-1), True)       # the partial last page stays
+        self._swap(kv, step, rows, heads, resident, chosen)
+
     def _swap(self, kv: KVView, step: DecodeStep, rows, heads, resident, chosen) -> None:
+        """Promote the pages new in `chosen` into the blocks of the pages that left it, free the leftovers."""
         R, S, M = resident.shape
         incoming, evicted = selection.swap_map(resident.reshape(R * S, M), chosen.reshape(R * S, M))
         pair_row, page, recycle, left_row, left_page = selection.pair_for_recycling(incoming, evicted)

@@ -44,6 +44,7 @@ class Quest(Policy):
         slots = kv.block_table.shape[0]
         self._pages_read = torch.zeros(slots, dtype=torch.float64, device=kv.device)
         self._head_steps = torch.zeros(slots, dtype=torch.float64, device=kv.device)
+        self._heads_per_row = torch.full((slots,), float(kv.num_kv_heads), dtype=torch.float64, device=kv.device)
 
     def reset(self, slot: int) -> None:
         if hasattr(self, "_pages_read"):
@@ -56,14 +57,12 @@ class Quest(Policy):
         if step.layer < self.skip_layers or int(num_pages.max()) <= k:
             self._count(step.slots, num_pages)
             return None
-        scores = kv.score_pages(step.slots, step.layer, step.q)
-        chosen = selection.topk_with_last(scores, num_pages, k)
-        self._count(step.slots, (chosen >= 0).sum(-1))
-        return chosen
+        self._count(step.slots, num_pages.clamp(max=k))              # a head reads min(K, its pages) pages
+        return kv.top_pages(step.slots, step.layer, step.q, k, keep_last=True)
 
     def _count(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
         self._pages_read.index_add_(0, slots, pages.sum(-1).double())
-        self._head_steps.index_add_(0, slots, torch.full_like(slots, pages.shape[-1], dtype=torch.float64))
+        self._head_steps.index_add_(0, slots, self._heads_per_row[:slots.numel()])
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)

@@ -35,34 +35,34 @@ def pages_of(num_tokens: torch.Tensor, page_size: int) -> torch.Tensor:
 def topk_with_last(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> torch.Tensor:
     """Per row, the last page (num_pages - 1) plus the k - 1 best-scoring other pages; all pages when num_pages <= k.
 
-    scores [B, H, M] (-inf beyond num_pages), num_pages [B, H] >= 1. Returns [B, H, min(k, M)] int64, rows with fewer
-    pages padded with PAD. Ties among equal scores resolve to the lower page index (a deterministic reference).
+    For scores a policy computed itself (LServe's physical pages); MinMax bounds go through kv.top_pages, the
+    engine's fused op with this contract. scores [B, H, M] (-inf beyond num_pages), num_pages [B, H] >= 1. Returns
+    [B, H, min(k, M)] int64 in any order, rows with fewer pages padded with PAD.
     """
-    M = scores.shape[-1]
-    k = min(k, M)
-    last = (num_pages.long() - 1).clamp(min=0).unsqueeze(-1)
-    forced = scores.scatter(-1, last, float("inf"))
-    top = forced.topk(k, dim=-1, sorted=True)
-    return torch.where(torch.isneginf(top.values), PAD, top.indices)
+    return _topk(scores, num_pages, k, float("inf"))
 
 
 def candidates_topk(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> torch.Tensor:
     """The k best pages among every page but the last (FlexiCache's top-K over full pages); [B, H, min(k, M)]."""
-    M = scores.shape[-1]
+    return _topk(scores, num_pages, k, float("-inf"))
+
+
+def _topk(scores: torch.Tensor, num_pages: torch.Tensor, k: int, last_score: float) -> torch.Tensor:
     last = (num_pages.long() - 1).clamp(min=0).unsqueeze(-1)
-    masked = scores.scatter(-1, last, float("-inf"))
-    top = masked.topk(min(k, M), dim=-1, sorted=True)
+    top = scores.scatter(-1, last, last_score).topk(min(k, scores.shape[-1]), dim=-1, sorted=False)
     return torch.where(torch.isneginf(top.values), PAD, top.indices)
 
 
 def compact(mask: torch.Tensor) -> torch.Tensor:
     """Indices of the True entries of each row of mask [..., M], ascending, padded with PAD to the longest row."""
     M = mask.shape[-1]
-    width = max(int(mask.sum(-1).max()) if mask.numel() else 0, 1)
+    rank = mask.long().cumsum(-1)                         # a True entry's 1-based place in its row
+    width = max(int(rank[..., -1].max()) if mask.numel() else 0, 1)
+    out = torch.full((*mask.shape[:-1], width + 1), PAD, dtype=torch.long, device=mask.device)
     idx = torch.arange(M, device=mask.device).expand_as(mask)
-    key = torch.where(mask, idx, M + idx)                # True entries first, each group in index order
-    order = key.sort(dim=-1).values[..., :width]
-    return torch.where(order < M, order, PAD)
+    # scatter each True entry to its place, every False one to the spare last column (no sort: O(M) per row)
+    out.scatter_(-1, torch.where(mask, rank - 1, width), idx)
+    return out[..., :width]
 
 
 def as_mask(pages: torch.Tensor, M: int) -> torch.Tensor:

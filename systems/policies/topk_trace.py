@@ -41,8 +41,7 @@ class TopKTrace(Policy):
     def select_pages(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots = step.layer, step.slots
         num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)
-        scores = kv.score_pages(slots, layer, step.q)
-        top = selection.candidates_topk(scores, num_pages, self.top_k)
+        top = kv.top_pages(slots, layer, step.q, self.top_k, keep_last=False)
         top = torch.nn.functional.pad(top, (0, self.top_k - top.shape[-1]), value=selection.PAD).to(torch.int16)
         mass = self._outside_mass(kv, step) if self.attention_mass else None
         for b, seq in enumerate(step.seqs):

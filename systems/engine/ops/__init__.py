@@ -1,6 +1,7 @@
 """Engine ops: torch references, the fused CPU decode kernel (CPU path) and Triton kernels (GPU path), one signature."""
 from __future__ import annotations
 
+import functools
 import importlib
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 _FUNCTIONS = {
     "kv": ("store_kv", "update_minmax", "page_minmax"),
     "attention": ("paged_decode_attention", "sparse_decode_attention", "gather_selected"),
-    "scoring": ("page_scores",),
+    "scoring": ("page_scores", "top_pages", "resident_pages"),
 }
 
 
@@ -32,4 +33,6 @@ def load_ops(device: torch.device | str) -> SimpleNamespace:
             fast_module = importlib.import_module("systems.engine.ops.cpu_kernels")
         for name in names:
             chosen[name] = getattr(fast_module, name, None) or getattr(torch_modules[group], name)
+    if chosen["top_pages"] is torch_scoring.top_pages:             # the reference top-K over the device's scorer
+        chosen["top_pages"] = functools.partial(torch_scoring.top_pages, scorer=chosen["page_scores"])
     return SimpleNamespace(**chosen)

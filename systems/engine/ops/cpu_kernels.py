@@ -1,6 +1,7 @@
-"""The CPU path's fused kernels (cpu_kernels.cpp: decode attention, page scores), built once per machine on first use."""
+"""The CPU path's fused kernels (cpu_attention.cpp, cpu_scoring.cpp), built once per machine on first use."""
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
@@ -10,10 +11,10 @@ import torch
 
 from systems.engine.ops import torch_attention, torch_scoring
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_scoring.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_kernels.cpp)
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
 MAX_PAGE, MAX_GROUP = 256, 16
 
 
@@ -23,9 +24,12 @@ def _build() -> bool:
 
     # -march=native is safe: the build cache lives on the machine that runs it, keyed by source and flags.
     # -fopenmp makes at::parallel_for use torch's own OpenMP pool (the same libgomp.so.1 is already loaded).
-    load(name="kvharness_cpu_kernels", sources=[str(_SOURCE)], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    return hasattr(torch.ops.kvharness_cpu, "decode_attention")
+    # torch keys its build cache on the sources and flags only, so the shared header's hash goes into the flags
+    header = hashlib.sha1(_SOURCES[0].with_name("cpu_common.h").read_bytes()).hexdigest()[:12]
+    load(name="kvharness_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
+         extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVH_COMMON_H={header}"], extra_ldflags=["-fopenmp"],
+         verbose=False)
+    return hasattr(torch.ops.kvharness_cpu, "decode_attention") and hasattr(torch.ops.kvharness_cpu, "resident_pages")
 
 
 def available() -> bool:
@@ -77,3 +81,21 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
     rows = torch.arange(kmin.shape[0]) if rows is None else rows
     heads = torch.arange(kmin.shape[1]) if heads is None else heads
     return torch.ops.kvharness_cpu.page_scores(q, kmin, kmax, num_pages, rows, heads)
+
+
+def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor, k: int,
+              keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as torch_scoring.top_pages (pages ascending here); scores never leave the kernel."""
+    if (kmin.dtype not in (torch.bfloat16, torch.float32) or kmin.stride(-1) != 1 or kmin.stride() != kmax.stride()
+            or not available()):
+        return torch_scoring.top_pages(q, kmin, kmax, num_pages, k, keep_last, rows, heads)
+    rows = torch.arange(kmin.shape[0]) if rows is None else rows
+    heads = torch.arange(kmin.shape[1]) if heads is None else heads
+    return torch.ops.kvharness_cpu.top_pages(q, kmin, kmax, num_pages, int(k), bool(keep_last), rows, heads)
+
+
+def resident_pages(table: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """Same contract as torch_scoring.resident_pages; one scan of the table rows, no sort or scatter."""
+    if table.dtype != torch.int32 or not available():
+        return torch_scoring.resident_pages(table, num_pages)
+    return torch.ops.kvharness_cpu.resident_pages(table, num_pages)

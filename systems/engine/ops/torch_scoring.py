@@ -1,4 +1,4 @@
-"""Quest-style page scores from the MinMax key cache (torch reference, CPU path)."""
+"""Quest-style page scores and top-K page sets from the MinMax key cache (torch reference, every device)."""
 from __future__ import annotations
 
 import torch
@@ -27,3 +27,40 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
     scores = torch.maximum(lo, hi).sum(-1).amax(dim=2)                  # [B, Hkv, M]
     beyond = torch.arange(M, device=q.device).view(1, 1, M) >= num_pages.view(B, Hkv, 1)
     return scores.masked_fill(beyond, float("-inf"))
+
+
+PAD = -1
+
+
+def topk_pages(scores: torch.Tensor, num_pages: torch.Tensor, k: int, keep_last: bool) -> torch.Tensor:
+    """Each row's page set from its scores [B, H, M] (-inf beyond num_pages [B, H] >= 1).
+
+    keep_last: the last page (num_pages - 1) plus the k - 1 best others, all pages when num_pages <= k; otherwise the
+    k best among every page but the last (FlexiCache's candidates). Returns [B, H, min(k, M)] int64 in any order,
+    padded with PAD.
+    """
+    M = scores.shape[-1]
+    last = (num_pages.long() - 1).clamp(min=0).unsqueeze(-1)
+    forced = scores.scatter(-1, last, float("inf") if keep_last else float("-inf"))
+    top = forced.topk(min(k, M), dim=-1, sorted=False)
+    return torch.where(torch.isneginf(top.values), PAD, top.indices)
+
+
+def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor, k: int,
+              keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
+              scorer=page_scores) -> torch.Tensor:
+    """page_scores (by `scorer`, the device's kernel) then topk_pages: [B, H, min(k, M)] int64, PAD-padded."""
+    return topk_pages(scorer(q, kmin, kmax, num_pages, rows, heads), num_pages, k, keep_last)
+
+
+def resident_pages(table: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:
+    """The device-resident logical pages of each row: table [B, H, W] block ids (0 = not resident), num_pages
+    [B, H] (pages from num_pages on are ignored). Returns [B, H, max(1, longest list)] int64, ascending, PAD-padded."""
+    W = table.shape[-1]
+    mask = (table != 0) & (torch.arange(W, device=table.device) < num_pages.unsqueeze(-1))
+    rank = mask.long().cumsum(-1)                         # a resident page's 1-based place in its row
+    width = max(int(rank[..., -1].max()) if mask.numel() else 0, 1)
+    out = torch.full((*mask.shape[:-1], width + 1), PAD, dtype=torch.long, device=table.device)
+    # each resident page to its place, every other page to the spare last column (no sort: O(W) per row)
+    out.scatter_(-1, torch.where(mask, rank - 1, width), torch.arange(W, device=table.device).expand_as(mask))
+    return out[..., :width]

@@ -1,4 +1,4 @@
-// Fused CPU kernels of the engine: paged decode attention (all or selected pages) and Quest page scores.
+// Fused CPU paged decode attention over all or only the selected pages of each (sequence, KV head).
 //
 // Why a kernel: on a CPU the torch path either gathers the pages (an extra copy of every K/V byte) or runs one small
 // matmul per (sequence, page run) with ~100 us of framework overhead each. Here every (sequence, KV head) is one
@@ -8,21 +8,22 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
+
+#include "cpu_common.h"
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bits) {  // bf16: the high half of an fp32
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using kvh::kMaxGroup;
+using kvh::kMaxPage;
+#ifdef KVH_HAVE_AVX512_BF16
+using kvh::sum16;
+#endif
+using kvh::to_float;
 
 // exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7, branch-free so loops vectorize.
 inline float exp_nonpos(float x) {
@@ -42,9 +43,6 @@ inline float exp_nonpos(float x) {
   std::memcpy(&scale, &e, 4);
   return p * scale;
 }
-
-constexpr int kMaxGroup = 16;
-constexpr int kMaxPage = 256;
 
 // Every page of a head, in table order: page j holds min(P, n - j*P) tokens.
 struct AllPages {
@@ -142,28 +140,7 @@ void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const 
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define KVH_HAVE_AVX512_BF16 1
-
-// Lane t of the result = the sum of the 16 lanes of a[t] (a transposing add tree: 46 ops instead of 16 reductions).
-inline __m512 sum16(const __m512* a) {
-  // lane 4k + j of the tree's output holds token {0,2,1,3}[j] + {0,8,4,12}[k]; this puts token t in lane t
-  const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
-  __m512 b[8], c[4], d[2];
-  for (int t = 0; t < 8; ++t)
-    b[t] = _mm512_add_ps(_mm512_shuffle_f32x4(a[t], a[t + 8], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(a[t], a[t + 8], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int t = 0; t < 4; ++t)
-    c[t] = _mm512_add_ps(_mm512_shuffle_f32x4(b[t], b[t + 4], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[t], b[t + 4], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int t = 0; t < 2; ++t)
-    d[t] = _mm512_add_ps(_mm512_shuffle_ps(c[t], c[t + 2], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(c[t], c[t + 2], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_permutexvar_ps(order, e);
-}
+#ifdef KVH_HAVE_AVX512_BF16
 
 // exp_nonpos on 16 lanes: 2^n * p(r) with scalef.
 inline __m512 exp_nonpos16(__m512 x) {
@@ -367,99 +344,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   return out.to(q.scalar_type());
 }
 
-// Quest bounds for (row, head) pairs read in place from one layer's MinMax cache kmin/kmax [S, Hkv, W, D] (any
-// strides, last dim contiguous): score = max over the head's query group of q+ . kmax + q- . kmin (equal to
-// sum_d max(q_d kmin_d, q_d kmax_d) because kmin <= kmax), -inf from num_pages on.
-template <typename T>
-void score_rows(const float* qpos, const float* qneg, const T* kmin, const T* kmax, const int64_t* rows,
-                const int64_t* heads, const int64_t* n_pages, int64_t B, int64_t H, int64_t W, int64_t D, int G,
-                const int64_t* st, float* out) {
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / H, hi = i % H;
-      const int64_t off = rows[b] * st[0] + heads[hi] * st[1];
-      const int64_t n = std::min<int64_t>(n_pages[i], W);
-      float* o = out + i * W;
-      const float* qp = qpos + i * G * D;
-      const float* qn = qneg + i * G * D;
-      int64_t m = 0;
-#ifdef KVH_HAVE_AVX512_BF16
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        if (D % 16 == 0 && D <= 256 && G <= kMaxGroup) {
-          for (; m < n; ++m) {
-            const uint16_t* lo = kmin + off + m * st[2];
-            const uint16_t* hi_ = kmax + off + m * st[2];
-            __m512 acc[kMaxGroup];
-            for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < D; c += 16) {
-              const __m512 l = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + c)));
-              const __m512 h = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi_ + c)));
-              for (int g = 0; g < G; ++g) {
-                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + g * D + c), h, acc[g]);
-                acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qn + g * D + c), l, acc[g]);
-              }
-            }
-            float best = -INFINITY;
-            for (int g = 0; g < G; ++g) {
-              const float v = _mm512_reduce_add_ps(acc[g]);
-              best = v > best ? v : best;
-            }
-            o[m] = best;
-          }
-        }
-      }
-#endif
-      for (; m < n; ++m) {
-        const T* lo = kmin + off + m * st[2];
-        const T* hi_ = kmax + off + m * st[2];
-        float best = -INFINITY;
-        for (int g = 0; g < G; ++g) {
-          float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d)
-            acc += qp[g * D + d] * to_float(hi_[d]) + qn[g * D + d] * to_float(lo[d]);
-          best = acc > best ? acc : best;
-        }
-        o[m] = best;
-      }
-      for (int64_t m = n; m < W; ++m) o[m] = -INFINITY;
-    }
-  });
-}
-
-at::Tensor page_scores(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax,
-                       const at::Tensor& num_pages, const at::Tensor& rows, const at::Tensor& heads) {
-  TORCH_CHECK(kmin.dim() == 4 && kmin.strides() == kmax.strides() && kmin.stride(3) == 1,
-              "page_scores: kmin/kmax [S, Hkv, W, D] with equal strides and a contiguous last dim");
-  TORCH_CHECK(kmin.scalar_type() == kmax.scalar_type(), "page_scores: kmin/kmax dtypes differ");
-  const int64_t B = rows.size(0), H = heads.size(0), W = kmin.size(2), D = kmin.size(3);
-  TORCH_CHECK(q.dim() == 3 && q.size(0) == B && q.size(1) % H == 0 && q.size(2) == D, "page_scores: q [B, H*G, D]");
-  const int G = static_cast<int>(q.size(1) / H);
-  at::Tensor qf = q.to(at::kFloat).contiguous();
-  at::Tensor qpos = qf.clamp_min(0).contiguous(), qneg = qf.clamp_max(0).contiguous();
-  at::Tensor r = rows.to(at::kLong).contiguous(), h = heads.to(at::kLong).contiguous();
-  at::Tensor np = num_pages.to(at::kLong).contiguous();
-  at::Tensor out = at::empty({B, H, W}, q.options().dtype(at::kFloat));
-  const int64_t st[3] = {kmin.stride(0), kmin.stride(1), kmin.stride(2)};
-  if (kmin.scalar_type() == at::kBFloat16) {
-    score_rows<uint16_t>(qpos.data_ptr<float>(), qneg.data_ptr<float>(),
-                         reinterpret_cast<const uint16_t*>(kmin.data_ptr()),
-                         reinterpret_cast<const uint16_t*>(kmax.data_ptr()), r.data_ptr<int64_t>(),
-                         h.data_ptr<int64_t>(), np.data_ptr<int64_t>(), B, H, W, D, G, st, out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(kmin.scalar_type() == at::kFloat, "page_scores: MinMax cache must be bf16 or fp32");
-    score_rows<float>(qpos.data_ptr<float>(), qneg.data_ptr<float>(), kmin.data_ptr<float>(),
-                      kmax.data_ptr<float>(), r.data_ptr<int64_t>(), h.data_ptr<int64_t>(), np.data_ptr<int64_t>(),
-                      B, H, W, D, G, st, out.data_ptr<float>());
-  }
-  return out;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(kvharness_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor num_tokens, "
         "Tensor? selected, float scale) -> Tensor", &decode_attention);
-  m.def("page_scores(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, Tensor rows, Tensor heads) -> Tensor",
-        &page_scores);
 }
