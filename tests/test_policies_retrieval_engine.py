@@ -240,3 +240,25 @@ def test_naive_reranks_every_step_and_stability_aware_every_r_steps(tiny_dir):
     assert stats[True]["reranks"] == steps
     assert stats[False]["reranks"] == 1 + steps // 4                   # step 1 and every R = 4 steps
     assert stats[True]["promoted_pages"] > stats[False]["promoted_pages"]
+
+
+def test_flexicache_reads_exactly_the_pages_its_stable_heads_hold(tiny_dir):
+    """The stable heads' read list is kept between reranks; at every step it must equal what the device holds
+    (a randomized workload: sequences join, finish and start pages at different steps)."""
+    policy = load_policy("flexicache", dict(budget=2 * P, **FLEXI))
+    engine = _engine(tiny_dir, policy, max_num_seqs=3)
+    kv, select, checked = engine.kv, policy.select_pages, []
+
+    def checked_select(kv_, step):
+        pages = select(kv_, step)
+        stable = policy._stable_heads[step.layer]
+        if pages is not None and stable.numel():
+            held = kv.resident_pages(step.slots, step.layer, heads=stable)
+            got = pages[:, stable]
+            assert torch.equal(selection.as_mask(got, kv.max_pages), selection.as_mask(held, kv.max_pages))
+            checked.append(step.layer)
+        return pages
+    policy.select_pages = checked_select
+    rng = random.Random(3)
+    _generate(engine, _prompts([rng.randint(30, 70) for _ in range(5)], seed=3), max_new=18)
+    assert len(checked) > 50

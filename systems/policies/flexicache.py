@@ -78,6 +78,7 @@ class FlexiCache(Policy):
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
         self._stats: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, tuple] = {}
+        self._held: dict[int, tuple] = {}         # layer -> (batch key, stable heads' resident pages)
 
     def _unstable_list(self, kv: KVView) -> tuple[list[tuple[int, int]], str]:
         if self.unstable_heads is not None:
@@ -99,6 +100,7 @@ class FlexiCache(Policy):
         return settled + transient
 
     def reset(self, slot: int) -> None:
+        self._held.clear()
         self._stats[slot] = {"promoted_pages": 0, "released_pages": 0, "offloaded_pages": 0, "reranks": 0,
                              "head_reranks": 0, "topk_pages_reranked": 0, "copy_time_s": 0.0,
                              "promoted_per_step": [], "_step": -1}
@@ -108,6 +110,7 @@ class FlexiCache(Policy):
         stable = self._stable_heads[layer]
         if stable.numel() == 0:
             return
+        self._held.pop(layer, None)
         slot, P = seq.slot, kv.page_size
         n = int(kv.num_tokens[slot, layer, 0])
         n_pages, full = -(-n // P), n // P
@@ -156,7 +159,7 @@ class FlexiCache(Policy):
         # unstable heads hold everything and read their top-K + last page, reranked every step
         parts = []
         if stable.numel():
-            parts.append((stable, kv.resident_pages(slots, layer, heads=stable)))
+            parts.append((stable, self._resident(kv, step, stable)))
         if unstable.numel():
             parts.append((unstable, kv.top_pages(slots, layer, self._group_q(kv, step.q, unstable), K + 1,
                                                  keep_last=True, heads=unstable, width=width)))
@@ -167,6 +170,17 @@ class FlexiCache(Policy):
         for heads, pages in parts:
             out[:, heads, :pages.shape[-1]] = pages
         return out
+
+    def _resident(self, kv: KVView, step: DecodeStep, stable: torch.Tensor) -> torch.Tensor:
+        """The stable heads' device pages. They change only at a rerank swap, a prefill or when a sequence starts a
+        page, so the list is kept per layer and rebuilt when the batch (slots, pages held) differs or a swap ran."""
+        P = kv.page_size
+        key = tuple((seq.slot, -(-seq.seq_len // P)) for seq in step.seqs)
+        held = self._held.get(step.layer)
+        if held is None or held[0] != key:
+            held = (key, kv.resident_pages(step.slots, step.layer, heads=stable))
+            self._held[step.layer] = held
+        return held[1]
 
     @staticmethod
     def _group_q(kv: KVView, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -198,6 +212,7 @@ class FlexiCache(Policy):
 
     def _apply_rerank(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, top: torch.Tensor) -> None:
         """The reranked rows' stable heads: the new top-K + last page against what they hold now."""
+        self._held.pop(step.layer, None)
         heads = self._stable_heads[step.layer]
         num_pages = selection.pages_of(kv.num_tokens[step.slots[rows], step.layer][:, heads], kv.page_size)
         M = int(num_pages.max())
