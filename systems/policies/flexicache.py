@@ -190,10 +190,13 @@ class FlexiCache(Policy):
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots, P = step.layer, step.slots, kv.page_size
-        t0 = time.perf_counter()
         # nothing is dropped, so every head holds seq_len tokens: a page filled iff seq_len % P == 0
         full = [b for b, seq in enumerate(step.seqs) if seq.seq_len % P == 0]
         stable = self._stable_heads[layer]
+        pending = self._pending.pop(layer, None)
+        if not (full and stable.numel()) and pending is None:        # no tier traffic this layer and step
+            return
+        t0 = time.perf_counter()
         if full and stable.numel():                                   # a stable head's page just filled: host copy
             b = torch.tensor(full, device=kv.device).repeat_interleave(stable.numel())
             h = stable.repeat(len(full))
@@ -203,7 +206,6 @@ class FlexiCache(Policy):
             kv.offload_pages(slots[b], torch.full_like(b, layer), h, page)
             for slot, n in zip(*torch.unique(slots[b], return_counts=True)):
                 self._stats[int(slot)]["offloaded_pages"] += int(n)
-        pending = self._pending.pop(layer, None)
         if pending is not None:
             self._apply_rerank(kv, step, *pending)
         dt = time.perf_counter() - t0
@@ -235,6 +237,7 @@ class FlexiCache(Policy):
                                 left_page)
         promoted = torch.bincount(pair_row // S, minlength=R).tolist()
         released = torch.bincount(left_row // S, minlength=R).tolist()
+        topk_pages = (chosen.sum((-1, -2)) - S).tolist()              # the always-kept last page is not top-K
         for i, b in enumerate(rows.tolist()):
             seq = step.seqs[b]
             st = self._stats[seq.slot]
@@ -246,7 +249,7 @@ class FlexiCache(Policy):
             st["promoted_pages"] += promoted[i]
             st["released_pages"] += released[i]
             st["head_reranks"] += S
-            st["topk_pages_reranked"] += int(chosen[i].sum()) - S       # the always-kept last page is not top-K
+            st["topk_pages_reranked"] += topk_pages[i]
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
