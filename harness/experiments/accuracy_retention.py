@@ -5,13 +5,17 @@ Two averages per system, because the seeds differ: FlexiCache reports the macro 
 below `min_reference_score` (0–100) makes its ratio meaningless (0.5 ÷ 0.2 = 2.5×); it is flagged and left out of
 the macro mean, but kept in the tables. Multi-dataset tasks (LongBench, L-Eval) count one unit per dataset.
 
-exp.params: budget (shared token budget, applied by the runner), reference (system name; default engine-dense),
+exp.params: budget (shared token budget, applied by the runner) or budgets (a list: every policy with a budget runs
+at each, labelled `<system>@<budget>`, beside one run of each budget-free system), reference (system name; default
+engine-dense),
 min_reference_score (default 5.0), task_params ({task name: {param: value}}: per-task overrides that
 system_overrides / task_overrides cannot express, e.g. shorter NeedleBench lengths at CPU scale).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib
 import math
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,9 @@ from harness.runner import CONF_DIR, Cell, UserError, cell_key, load_group, vali
 from harness.schema import SystemConfig, TaskConfig
 from harness.store import Cell as StoreCell
 
-DEFAULTS = {"reference": None, "min_reference_score": 5.0, "task_params": {}}
+DEFAULTS = {"reference": None, "min_reference_score": 5.0, "task_params": {}, "budgets": None}
+# per-request policy statistics averaged into the summary when a policy reports them (Completion.kv_stats)
+POLICY_STATS = {"promoted_share_of_topk": "promoted share of top-K / rerank"}
 
 
 # ---- cells derived from the runner's grid (shared with needlebench and cake_ablation) ----------------------------
@@ -64,6 +70,33 @@ def with_task_params(cfg: DictConfig, cells: list[Cell]) -> list[Cell]:
            if c.task.name in per_task else c for c in cells]
     validate(cfg, out)
     return out
+
+
+def by_budget(cfg: DictConfig, cells: list[Cell], budgets: list | None) -> tuple[list[Cell], list[str]]:
+    """Cells and their labels: with `budgets`, each cell of a policy that has a budget becomes one cell per budget
+    (labelled `<system>@<budget>`); budget-free systems (dense, vllm, hf) run once under their own name."""
+    if budgets is None:
+        return cells, [c.system.name for c in cells]
+    if cfg.exp.params.get("budget") is not None:
+        raise UserError("set exp.params.budget or exp.params.budgets, not both")
+    if not budgets or any(int(b) <= 0 for b in budgets):
+        raise UserError(f"exp.params.budgets={budgets}: give a list of positive token budgets")
+    out, labels = [], []
+    for cell in cells:
+        fields = set()
+        if cell.system.backend == "engine":
+            policy = importlib.import_module(f"systems.policies.{cell.system.policy}").POLICY
+            fields = {f.name for f in dataclasses.fields(policy)}
+        if "budget" not in fields:
+            out.append(cell)
+            labels.append(cell.system.name)
+            continue
+        for b in budgets:
+            extra = {"budget": int(b), **({"recent_size": None} if "recent_size" in fields else {})}
+            out.append(variant(cell, system_params=extra))
+            labels.append(f"{cell.system.name}@{int(b)}")
+    validate(cfg, out)
+    return out, labels
 
 
 # ---- scores ----------------------------------------------------------------------------------------------------
@@ -107,26 +140,45 @@ def retention_table(scores: dict[str, dict[str, float]], reference: str, min_ref
 # ---- run and summary -------------------------------------------------------------------------------------------
 def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
     cells = with_task_params(cfg, cells)
+    cells, labels = by_budget(cfg, cells, cfg.exp.params.get("budgets"))
     metrics = accuracy.run_cells(cfg, cells, out_dir)
     rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    paths = write_summary(cfg, cells, metrics, rows_by_cell, out_dir)
+    paths = write_summary(cfg, cells, metrics, rows_by_cell, out_dir, labels)
     print(Path(paths["md"]).read_text())
     for kind, path in paths.items():
         print(f"[{kind}] {path}")
     return metrics
 
 
-def collect(cells: list[Cell], metrics: list[dict], rows_by_cell: dict[str, list[dict]]) -> dict[str, dict]:
+def collect(cells: list[Cell], metrics: list[dict], rows_by_cell: dict[str, list[dict]],
+            labels: list[str] | None = None) -> dict[str, dict]:
     scores: dict[str, dict[str, float]] = {}
-    for cell, m in zip(cells, metrics):
-        scores.setdefault(m["system"], {}).update(unit_scores(m, rows_by_cell.get(cell.key, [])))
+    for i, (cell, m) in enumerate(zip(cells, metrics)):
+        name = labels[i] if labels else m["system"]
+        scores.setdefault(name, {}).update(unit_scores(m, rows_by_cell.get(cell.key, [])))
     return scores
 
 
-def write_summary(cfg, cells, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
+def policy_stats(cells: list[Cell], rows_by_cell: dict[str, list[dict]], labels: list[str]) -> dict[str, dict]:
+    """label -> {stat: mean over the label's requests} for the POLICY_STATS a policy reports."""
+    values: dict[str, dict[str, list[float]]] = {}
+    for cell, label in zip(cells, labels):
+        for row in rows_by_cell.get(cell.key, []):
+            for stat in POLICY_STATS:
+                v = (row.get("kv_stats") or {}).get(stat)
+                if isinstance(v, (int, float)):
+                    values.setdefault(label, {}).setdefault(stat, []).append(float(v))
+    return {label: {k: sum(v) / len(v) for k, v in per.items()} for label, per in values.items()}
+
+
+def write_summary(cfg, cells, metrics, rows_by_cell, out_dir: Path, labels: list[str] | None = None
+                  ) -> dict[str, str]:
     params = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
     reference = params["reference"] or report.reference_system(cfg, cells)
-    scores = collect(cells, metrics, rows_by_cell)
+    labels = labels or [m["system"] for m in metrics]
+    scores = collect(cells, metrics, rows_by_cell, labels)
+    stats = policy_stats(cells, rows_by_cell, labels)
+    shown_stats = [k for k in POLICY_STATS if any(k in per for per in stats.values())]
     if reference not in scores:
         raise UserError(f"reference system {reference!r} is not in the grid {sorted(scores)}: add it to exp.systems "
                         f"or set exp.params.reference")
@@ -137,8 +189,10 @@ def write_summary(cfg, cells, metrics, rows_by_cell, out_dir: Path) -> dict[str,
     mark = lambda u: f"{u} †" if u in flagged else u  # noqa: E731
     ranked = sorted(others, key=lambda s: (math.isnan(avg[s]["macro_retention"]), -avg[s]["macro_retention"]))
     budget = params.get("budget")
-    glance = ("**At a glance:** macro-mean retention vs `" + reference + "`"
-              + (f" at a budget of {budget} tokens" if budget is not None else "") + ": "
+    at = (f" at a budget of {budget} tokens" if budget is not None else
+          f" at budgets of {', '.join(str(b) for b in params['budgets'])} tokens (`system@budget`)"
+          if params.get("budgets") else "")
+    glance = ("**At a glance:** macro-mean retention vs `" + reference + "`" + at + ": "
               + ", ".join(f"{s} {report.fmt(avg[s]['macro_retention'], 3)}" for s in ranked)
               + f" (over {len(units) - len(flagged)} of {len(units)} task units).") if others else "No policies."
     parts = [f"# {cfg.exp.name}", "", glance, "",
@@ -147,9 +201,11 @@ def write_summary(cfg, cells, metrics, rows_by_cell, out_dir: Path) -> dict[str,
              "", f"## Retention (score ÷ `{reference}` on the same task)", "",
              report.md_table(["task", *others], [[mark(u), *[tab["ratios"][s][u] for s in others]] for u in units], 3),
              "", "## Averages", "",
-             report.md_table(["system", "mean score", "macro mean of ratios", "ratio of means", "units used"],
+             report.md_table(["system", "mean score", "macro mean of ratios", "ratio of means", "units used",
+                              *[POLICY_STATS[k] for k in shown_stats]],
                              [[s, avg[s]["mean_score"], avg[s]["macro_retention"], avg[s]["ratio_of_means"],
-                               avg[s]["units_used"]] for s in systems], 3), ""]
+                               avg[s]["units_used"], *[stats.get(s, {}).get(k) for k in shown_stats]]
+                              for s in systems], 3), ""]
     if flagged:
         parts += [f"† reference score below {params['min_reference_score']} (of 100): the ratio is shown but left "
                   "out of both averages.", ""]
@@ -160,8 +216,8 @@ def write_summary(cfg, cells, metrics, rows_by_cell, out_dir: Path) -> dict[str,
                  "reference_score": scores[reference].get(u), "retention": tab["ratios"][s][u],
                  "flagged_small_reference": u in flagged} for s in systems for u in units]
     csv_rows += [{"system": s, "task": "AVERAGE", "score": avg[s]["mean_score"], "reference": reference,
-                  "retention": avg[s]["macro_retention"], "ratio_of_means": avg[s]["ratio_of_means"]}
-                 for s in systems]
+                  "retention": avg[s]["macro_retention"], "ratio_of_means": avg[s]["ratio_of_means"],
+                  **stats.get(s, {})} for s in systems]
     out_dir.mkdir(parents=True, exist_ok=True)
     md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
     report.atomic_write_text(md, "\n".join(parts))
