@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -60,9 +62,12 @@ def static_env() -> dict:
         threads = None
     # committed result summaries change with every run; only code and config make a tree "dirty"
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
+    diff = _git("diff", "HEAD", "--", ".", ":(exclude)results") if status else None
     return {
         "git_sha": _git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
+        # which uncommitted changes, so two dirty runs on one commit are told apart
+        "git_diff": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_model(),
@@ -76,3 +81,8 @@ def static_env() -> dict:
 
 def env_record(seed: int, command: list[str] | None = None) -> dict:
     return {**static_env(), "seed": seed, "command": command if command is not None else sys.argv}
+
+
+def code_identity(env: dict) -> tuple:
+    """What must match for stored results to stand for the code running now: commit, uncommitted diff, packages."""
+    return env.get("git_sha"), env.get("git_diff"), json.dumps(env.get("packages") or {}, sort_keys=True)

@@ -4,6 +4,10 @@ Layout: results/<exp>/<cell-key>/{predictions.jsonl, metrics.json, config.yaml, 
 A row is one JSON line written with a single write() and fsync'd, so a crash leaves at most one torn last
 line; opening the cell cuts it off, so a rerun resumes at the first missing sample with no lost or
 duplicated rows. metrics.json (written by temp file + rename) marks the cell complete.
+
+A cell is resumed (or reused when complete) only by the code that made it: when env.json names another commit,
+uncommitted diff or package set, or config.yaml another model, system, task or seed, the folder is moved aside to
+`<cell-key>.stale-<sha>` and the cell runs again, so a summary never mixes code versions under one provenance line.
 """
 from __future__ import annotations
 
@@ -11,6 +15,10 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
+
+import yaml
+
+from harness.envinfo import code_identity, static_env
 
 PREDICTIONS, METRICS, CONFIG, ENV = "predictions.jsonl", "metrics.json", "config.yaml", "env.json"
 
@@ -31,24 +39,60 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True, default=str) + "\n")
 
 
+def _cell_config(config_yaml: str) -> Any:
+    """The part of a resolved config that decides a cell's results: everything but the experiment block (whose
+    params name the grid, e.g. a sweep's other budgets, and enter the cell key where they change a cell)."""
+    conf = yaml.safe_load(config_yaml)
+    return {k: v for k, v in conf.items() if k != "exp"} if isinstance(conf, dict) else conf
+
+
 class Cell:
     """One (system, task, ...) cell's folder."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._env: dict | None = None           # the env this process opened the cell with
 
     @property
     def predictions_path(self) -> Path:
         return self.root / PREDICTIONS
 
     def is_complete(self) -> bool:
+        self.retire_if_stale()
         try:
             return bool(json.loads((self.root / METRICS).read_text()).get("complete"))
         except (OSError, ValueError):
             return False
 
+    def retire_if_stale(self, config_yaml: str | None = None, env: dict | None = None) -> bool:
+        """Move the folder aside if other code (or another config) made it; True when it did."""
+        try:
+            old_env = json.loads((self.root / ENV).read_text())
+        except (OSError, ValueError):
+            return False
+        why = None
+        now = env if env is not None else self._env if self._env is not None else static_env()
+        if code_identity(old_env) != code_identity(now):
+            why = f"made at git {(old_env.get('git_sha') or 'unknown')[:10]}" + (
+                " with uncommitted changes" if old_env.get("git_diff") else "") + ", the code differs now"
+        elif config_yaml is not None and (self.root / CONFIG).is_file() and \
+                _cell_config(config_yaml) != _cell_config((self.root / CONFIG).read_text()):
+            why = "made with another model, system, task or seed"
+        if why is None:
+            return False
+        stem = f"{self.root.name}.stale-{(old_env.get('git_sha') or 'unknown')[:10]}"
+        target, n = self.root.with_name(stem), 1
+        while target.exists():
+            n += 1
+            target = self.root.with_name(f"{stem}-{n}")
+        os.replace(self.root, target)
+        print(f"[stale] {self.root.name}: {why}; moved to {target.name}, running it again", flush=True)
+        return True
+
     def open(self, config_yaml: str, env: dict) -> None:
         """Create the folder, record how the cell is made, and cut a torn last line from a crash."""
+        self.retire_if_stale(config_yaml, env)
+        self._env = env
         self.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.root / CONFIG, config_yaml)
         atomic_write_json(self.root / ENV, env)

@@ -37,3 +37,28 @@ def test_atomic_json_leaves_no_temp(tmp_path):
     atomic_write_json(tmp_path / "m.json", {"x": 1})
     assert json.loads((tmp_path / "m.json").read_text()) == {"x": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_a_cell_made_by_other_code_is_moved_aside_and_rerun(tmp_path, capsys):
+    """Resume and reuse only under the code that made the rows: another commit, diff or package set (or another
+    model / system / task) retires the folder, so a summary never mixes code versions under one provenance."""
+    env_a = {"git_sha": "a" * 40, "git_diff": None, "packages": {"torch": "2.13.0"}, "seed": 0}
+    cell = Cell(tmp_path / "c")
+    cell.open("model: m\nexp: {x: 1}\n", env_a)
+    cell.append(_rows(["s0"]))
+    cell.write_metrics({"n": 1})
+    same = Cell(tmp_path / "c")
+    same.open("model: m\nexp: {x: 2}\n", {**env_a, "seed": 0, "command": ["other"]})   # exp block is not the cell's
+    assert same.is_complete() and same.done_ids() == {"s0"}
+    for env, config in (({**env_a, "git_sha": "b" * 40}, "model: m\n"),
+                        ({**env_a, "git_diff": "123abc"}, "model: m\n"),
+                        ({**env_a, "packages": {"torch": "2.14.0"}}, "model: m\n"),
+                        (env_a, "model: other\n")):
+        Cell(tmp_path / "c").open("model: m\n", env_a)                              # rows of code A
+        Cell(tmp_path / "c").append(_rows(["s0"]))
+        fresh = Cell(tmp_path / "c")
+        fresh.open(config, env)
+        assert fresh.done_ids() == set() and not fresh.is_complete()
+        assert "[stale] c:" in capsys.readouterr().out
+    stale = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c.stale-"))
+    assert len(stale) == 7                   # each reopen by code A retires the previous variant too: nothing lost

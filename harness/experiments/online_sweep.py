@@ -217,6 +217,7 @@ def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
     for cell in systems:
         key = cell.key.replace(f"__{cell.task.name}", "", 1) + f"__{tag}_in{in_len}_out{p['output_len']}_n{n}"
         store = StoreCell(out_dir / key)
+        store.retire_if_stale(dump_yaml(cell.resolved(cfg)))            # rates measured by other code run again
         todo = [r for r in p["rates"] if not (store.root / f"rate_{r:g}.json").is_file()]
         server = None
         try:
