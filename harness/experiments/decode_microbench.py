@@ -233,8 +233,8 @@ def write_summary(cfg, results: list[dict], p: dict, out_dir: Path) -> dict[str,
              f"{r0['num_q_heads']} query / {r0['num_kv_heads']} KV heads, head_dim {r0['head_dim']}, "
              f"{r0['dtype']} on {r0['device']}, {p['context']} tokens per sequence ({r0['pages_per_head']} pages per "
              f"head), {p['steps']} timed decode steps after {p['warmup']}; times are per layer and decode step. "
-             "select = the policy's page selection; attention = gather of the selected pages + paged decode "
-             "attention; after_append = the policy's post-attention work (FlexiCache's host → device promotions).",
+             "select = the policy's page selection; attention = paged decode attention over the selected "
+             "pages, read in place (all pages for dense); after_append = the policy's post-attention work (FlexiCache's host → device promotions).",
              "", f"Regenerate: `{report.command_line(cfg)}`.", "", report.provenance(cfg), ""]
     out_dir.mkdir(parents=True, exist_ok=True)
     md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
