@@ -73,6 +73,8 @@ class FlexiCache(Policy):
         self._stable_heads = [(~row).nonzero().view(-1) for row in self.unstable]
         self._unstable_heads = [row.nonzero().view(-1) for row in self.unstable]
         self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
+        # select_pages stacks [stable heads, unstable heads]; this gathers them back into head order
+        self._head_order = [torch.cat([s, u]).argsort() for s, u in zip(self._stable_heads, self._unstable_heads)]
         elem = kv.k_pool.element_size()
         self.bytes_per_block = 2 * kv.page_size * kv.head_dim * elem
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
@@ -144,8 +146,8 @@ class FlexiCache(Policy):
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         layer, slots, K = step.layer, step.slots, self.top_k
-        num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)          # [B, Hkv]
-        width = int(num_pages.max())
+        # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
+        width = -(-max(seq.seq_len for seq in step.seqs) // kv.page_size)
         if width <= K + 1:                                            # nothing was released: every page is read
             return None
         stable, unstable = self._stable_heads[layer], self._unstable_heads[layer]
@@ -165,11 +167,9 @@ class FlexiCache(Policy):
                                                  keep_last=True, heads=unstable, width=width)))
         if len(parts) == 1:
             return parts[0][1]
-        out = torch.full((len(step.seqs), kv.num_kv_heads, max(p.shape[-1] for _, p in parts)), selection.PAD,
-                         dtype=torch.long, device=kv.device)
-        for heads, pages in parts:
-            out[:, heads, :pages.shape[-1]] = pages
-        return out
+        W = max(p.shape[-1] for _, p in parts)
+        padded = [torch.nn.functional.pad(p, (0, W - p.shape[-1]), value=selection.PAD) for _, p in parts]
+        return torch.cat(padded, dim=1).index_select(1, self._head_order[layer])    # back to head order
 
     def _resident(self, kv: KVView, step: DecodeStep, stable: torch.Tensor) -> torch.Tensor:
         """The stable heads' device pages. They change only at a rerank swap, a prefill or when a sequence starts a
