@@ -1,0 +1,124 @@
+"""The engine's own thread: takes new requests and aborts from an inbox, steps, posts each step's new tokens.
+
+The engine is not thread-safe, so every engine call happens on this one thread; the HTTP side (systems.server)
+talks to it only through submit/abort and each request's asyncio queue.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import traceback
+from dataclasses import dataclass, field
+
+from systems.base import GenerationRequest
+from systems.engine.sequence import Status
+
+log = logging.getLogger("kvharness.server")
+FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
+
+@dataclass
+class Live:
+    """A request between HTTP and engine: the engine thread posts ('tokens', ids, finish) or ('error', msg)."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    seq: object = None          # the engine's Sequence, set by the engine thread
+    sent: int = 0               # output tokens already posted
+    done: bool = False          # finished, failed or aborted: nothing more will be posted
+
+
+class EngineLoop:
+    """The one thread that drives the engine; all engine access happens on it."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._live: dict[str, Live] = {}
+        self._stop = False
+        self.last_error = ""      # the latest failed step: its requests got a 500, the loop kept serving
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, live: Live) -> None:
+        self._inbox.put(("add", live))
+        self._wake.set()
+
+    def abort(self, live: Live) -> None:
+        self._inbox.put(("abort", live))
+        self._wake.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def _post(self, live: Live, event: tuple) -> None:
+        try:
+            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
+        except RuntimeError:      # the HTTP loop is gone (shutdown): nobody is listening
+            pass
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.scheduler.has_work():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                for live in list(self._live.values()):
+                    self._post(live, ("error", self.last_error))
+                    self._drop(live)
+                continue
+            self._publish()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, live = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "abort":
+                self._drop(live)
+                continue
+            try:
+                live.seq = self.engine.add_request(live.request, arrival_time=live.request.arrival_time)
+            except Exception as exc:  # noqa: BLE001 - the request is refused, the engine is untouched
+                self._post(live, ("error", f"{type(exc).__name__}: {exc}"))
+                continue
+            self._live[live.request.request_id] = live
+
+    def _publish(self) -> None:
+        for rid, live in list(self._live.items()):
+            seq = live.seq
+            n = seq.num_output_tokens
+            finished = seq.status is Status.FINISHED
+            if n > live.sent or finished:
+                ids = seq.token_ids[seq.num_prompt_tokens + live.sent:seq.num_prompt_tokens + n]
+                live.sent = n
+                self._post(live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None))
+            if finished:
+                del self._live[rid]
+
+    def _drop(self, live: Live) -> None:
+        """Take a sequence out of the engine wherever it is, freeing its KV blocks."""
+        self._live.pop(live.request.request_id, None)
+        if live.seq is not None:
+            self.engine.abort(live.seq)

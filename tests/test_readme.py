@@ -1,0 +1,56 @@
+"""README.md's quickstart and results blocks are what harness.readme builds from the committed summaries."""
+from pathlib import Path
+
+import pytest
+
+from harness import readme
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_matches_committed_summaries():
+    text = (ROOT / "README.md").read_text()
+    assert readme.render(text) == text, "README.md is out of date: run `python -m harness.readme`"
+
+
+def _tree(tmp_path: Path) -> Path:
+    (tmp_path / "results" / "quickstart").mkdir(parents=True)
+    (tmp_path / "results" / "quickstart" / "summary.md").write_text(
+        "# quickstart: title\n\n**At a glance:** dense wins.\n\n## Table\n\n| a |\n| --- |\n| 1 |\n\n"
+        "![quickstart](quickstart.png)\n\nRegenerate: `make run`.\n\nMade by `x` at git `abc123` on cpu.\n")
+    (tmp_path / "results" / "offline_throughput").mkdir()
+    (tmp_path / "results" / "offline_throughput" / "summary.md").write_text(
+        "# offline_throughput\n\n**At a glance:** ratios:\n\n- one 1.3×\n- two 0.6×\n\n| t |\n\n"
+        "Regenerate: `python -m harness +exp=offline_throughput n=2`.\n")
+    (tmp_path / "results" / "offline_throughput" / "summary.csv").write_text("a\n1\n")
+    (tmp_path / "results" / "offline_throughput" / "b.png").write_bytes(b"")
+    (tmp_path / "results" / "offline_throughput" / "a.png").write_bytes(b"")
+    (tmp_path / "results" / "newexp").mkdir()
+    (tmp_path / "results" / "newexp" / "summary.md").write_text("# newexp\n\n**At a glance:** new.\n")
+    (tmp_path / "conf" / "exp").mkdir(parents=True)
+    (tmp_path / "conf" / "exp" / "newexp.yaml").write_text("# @package _global_\n# A new sweep of things.\nexp: {}\n")
+    return tmp_path
+
+
+def test_blocks_quote_glance_links_images_and_command(tmp_path):
+    root = _tree(tmp_path)
+    out = readme.render("top\n<!-- quickstart -->\nold\n<!-- /quickstart -->\nmid\n<!-- results -->\nold\n"
+                        "<!-- /results -->\nend\n", root)
+    quick = out.split("<!-- quickstart -->\n")[1].split("\n<!-- /quickstart -->")[0]
+    assert quick.startswith("**At a glance:** dense wins.\n\n#### Table\n\n| a |")
+    assert "Regenerate" not in quick and "![" not in quick and "Made by" not in quick
+    assert quick.endswith("git `abc123`, `results/quickstart/summary.md`.)")
+    res = out.split("<!-- results -->\n")[1].split("\n<!-- /results -->")[0]
+    assert "**At a glance:** ratios:\n\n- one 1.3×\n- two 0.6×\n\n[summary.md]" in res
+    assert "[summary.csv](results/offline_throughput/summary.csv)" in res
+    assert "![a.png](results/offline_throughput/a.png) ![b.png](results/offline_throughput/b.png)" in res
+    assert "Regenerate: `python -m harness +exp=offline_throughput n=2`" in res
+    assert "### `newexp` — A new sweep of things." in res
+    assert res.index("offline_throughput") < res.index("newexp")          # listed sections first
+    assert out.startswith("top\n") and out.endswith("\nend\n") and "old" not in out
+    assert readme.render(out, root) == out
+
+
+def test_missing_marker_names_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="add the two marker lines"):
+        readme.render("no markers here\n", _tree(tmp_path))
