@@ -123,8 +123,12 @@ def test_top_pages_equal_brute_force_on_a_strided_view(dtype, keep_last, k):
     ref_scores = torch_scoring.page_scores(q, *view, num_pages, rows, heads)
     finite = ~torch.isinf(ref_scores)
     torch.testing.assert_close(scores[finite], ref_scores[finite], rtol=1e-4, atol=1e-3)
-    out = cpu_kernels.top_pages(q, *view, num_pages, k, keep_last, rows, heads)
-    ref = torch_scoring.top_pages(q, *view, num_pages, k, keep_last, rows, heads)
+    # the op takes the layer's token counts [S, Hkv] (a strided slice) and reads them through rows and heads
+    num_tokens = torch.zeros(5, 3, 4, dtype=torch.int32)
+    partial = torch.randint(0, 16, num_pages.shape, generator=g, dtype=torch.int32)
+    num_tokens[rows.unsqueeze(1), 1, heads] = (num_pages * 16 - partial).int()
+    out = cpu_kernels.top_pages(q, *view, num_tokens[:, 1], 16, k, keep_last, rows, heads)
+    ref = torch_scoring.top_pages(q, *view, num_tokens[:, 1], 16, k, keep_last, rows, heads)
     assert out.shape == ref.shape == (4, 2, min(k, 45))
     for b in range(4):
         for h in range(2):

@@ -138,7 +138,8 @@ def test_top_pages_reference_matches_brute_force(keep_last):
     num_pages = torch.randint(1, M + 1, (B, Hkv), generator=g)
     num_pages[0, 0] = 1
     scores = page_scores(q, kmin, kmax, num_pages)
-    out = top_pages(q, kmin, kmax, num_pages, k, keep_last)
+    num_tokens = num_pages * 4 - torch.randint(0, 4, num_pages.shape, generator=g)        # page size 4, partial
+    out = top_pages(q, kmin, kmax, num_tokens, 4, k, keep_last)
     for bb in range(B):
         for h in range(Hkv):
             n = int(num_pages[bb, h])

@@ -81,17 +81,30 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir):
 
     def spy(kv, step):
         chosen = select(kv, step)
-        seen.append((step.layer, chosen, selection.pages_of(kv.num_tokens[step.slots, step.layer], P)))
+        seen.append((step.layer, step.slots.tolist(), chosen,
+                     selection.pages_of(kv.num_tokens[step.slots, step.layer], P)))
         return chosen
     policy.select_pages = spy
+    counted, reset = {}, policy.reset
+
+    def reset_spy(slot):
+        counted[slot] = policy._pages_read[slot] if hasattr(policy, "_pages_read") else 0
+        reset(slot)
+    policy.reset = reset_spy
     _generate(engine, _prompts([50, 31]), max_new=6)
-    for layer, chosen, num_pages in seen:
+    read = {}
+    for layer, slots, chosen, num_pages in seen:
+        per_row = num_pages.sum(-1) if chosen is None else (chosen >= 0).sum((-1, -2))
+        for slot, n in zip(slots, per_row.tolist()):
+            read[slot] = read.get(slot, 0) + n
         if layer < 1:
             assert chosen is None
             continue
         assert chosen is not None and chosen.shape[-1] == 3
         last = (num_pages - 1).unsqueeze(-1)
         assert bool((chosen == last).any(-1).all())                    # the last page is always read
+    # the host-side counters behind kv_stats' mean_pages_read count exactly the pages the engine was told to read
+    assert {s: counted[s] for s in read} == read
 
 
 def _analytic_blocks(policy, pages):

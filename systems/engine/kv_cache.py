@@ -172,11 +172,13 @@ class TieredKVCache:
 
     def top_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: int, keep_last: bool = True,
                   heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
-        counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
-        n_pages = -(-counts.long() // self.page_size)
-        width = int(n_pages.max()) if width is None else width
-        return self.ops.top_pages(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages, k,
-                                  keep_last, slots, heads)
+        if width is None:         # the longest listed head (a device sync; callers that know the lengths pass it)
+            counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
+            width = -(-int(counts.max()) // self.page_size)
+        # the op reads the token counts through slots and heads itself: no gather or page arithmetic out here
+        return self.ops.top_pages(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width],
+                                  self.num_tokens[:, layer], self.page_size, k, keep_last, slots,
+                                  self._heads if heads is None else heads)
 
     def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
         table = self.block_table[slots, layer] if heads is None else self.block_table[slots, layer][:, heads]

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from systems.policies import selection
 from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
 
 
@@ -42,9 +41,9 @@ class Quest(Policy):
                              f"set both to the same value")
         super().bind(kv)
         slots = kv.block_table.shape[0]
-        self._pages_read = torch.zeros(slots, dtype=torch.float64, device=kv.device)
-        self._head_steps = torch.zeros(slots, dtype=torch.float64, device=kv.device)
-        self._heads_per_row = torch.full((slots,), float(kv.num_kv_heads), dtype=torch.float64, device=kv.device)
+        # host-side counters: the step's lengths are host ints, so counting costs no device op
+        self._pages_read = [0] * slots
+        self._head_steps = [0] * slots
 
     def reset(self, slot: int) -> None:
         if hasattr(self, "_pages_read"):
@@ -52,23 +51,22 @@ class Quest(Policy):
             self._head_steps[slot] = 0
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
-        num_pages = selection.pages_of(kv.num_tokens[step.slots, step.layer], kv.page_size)   # [B, Hkv]
-        k = self.pages_per_step
-        if step.layer < self.skip_layers or int(num_pages.max()) <= k:
-            self._count(step.slots, num_pages)
+        # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
+        P, k, H = kv.page_size, self.pages_per_step, kv.num_kv_heads
+        pages = [-(-seq.seq_len // P) for seq in step.seqs]
+        dense = step.layer < self.skip_layers or max(pages) <= k
+        for seq, n in zip(step.seqs, pages):                       # a head reads min(K, its pages) pages
+            self._pages_read[seq.slot] += H * (n if dense else min(n, k))
+            self._head_steps[seq.slot] += H
+        if dense:
             return None
-        self._count(step.slots, num_pages.clamp(max=k))              # a head reads min(K, its pages) pages
-        return kv.top_pages(step.slots, step.layer, step.q, k, keep_last=True)
-
-    def _count(self, slots: torch.Tensor, pages: torch.Tensor) -> None:
-        self._pages_read.index_add_(0, slots, pages.sum(-1).double())
-        self._head_steps.index_add_(0, slots, self._heads_per_row[:slots.numel()])
+        return kv.top_pages(step.slots, step.layer, step.q, k, keep_last=True, width=max(pages))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
-        steps = float(self._head_steps[seq.slot])
+        steps = self._head_steps[seq.slot]
         stats.update(budget_tokens=self.budget, pages_per_step=self.pages_per_step,
-                     mean_pages_read=float(self._pages_read[seq.slot]) / steps if steps else None)
+                     mean_pages_read=self._pages_read[seq.slot] / steps if steps else None)
         return stats
 
 

@@ -83,15 +83,17 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
     return torch.ops.kvharness_cpu.page_scores(q, kmin, kmax, num_pages, rows, heads)
 
 
-def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor, k: int,
-              keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
+def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor, page_size: int,
+              k: int, keep_last: bool, rows: torch.Tensor | None = None,
+              heads: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as torch_scoring.top_pages (pages ascending here); scores never leave the kernel."""
     if (kmin.dtype not in (torch.bfloat16, torch.float32) or kmin.stride(-1) != 1 or kmin.stride() != kmax.stride()
             or not available()):
-        return torch_scoring.top_pages(q, kmin, kmax, num_pages, k, keep_last, rows, heads)
+        return torch_scoring.top_pages(q, kmin, kmax, num_tokens, page_size, k, keep_last, rows, heads)
     rows = torch.arange(kmin.shape[0]) if rows is None else rows
     heads = torch.arange(kmin.shape[1]) if heads is None else heads
-    return torch.ops.kvharness_cpu.top_pages(q, kmin, kmax, num_pages, int(k), bool(keep_last), rows, heads)
+    return torch.ops.kvharness_cpu.top_pages(q, kmin, kmax, num_tokens, int(page_size), int(k), bool(keep_last), rows,
+                                             heads)
 
 
 def resident_pages(table: torch.Tensor, num_pages: torch.Tensor) -> torch.Tensor:

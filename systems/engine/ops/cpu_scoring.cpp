@@ -2,7 +2,7 @@
 //
 // Why fused: scoring a layer is one pass over its MinMax cache; the torch path then spends as long again on a
 // [B, H, W] score tensor, a scatter for the forced last page and torch.topk. Here each (row, head) task scores into
-// a per-thread buffer and picks its pages with nth_element while the scores are still in L1.
+// a per-thread buffer and picks its pages by a branch-free threshold search while the scores are still in L1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -129,11 +128,27 @@ void score_head(const float* qp, const float* qn, const uint16_t* qpb, const uin
   }
 }
 
+// Scores as unsigned keys with the same order (-0 folded into +0, so equal floats stay equal keys).
+inline uint32_t order_key(float x) {
+  uint32_t b;
+  x += 0.0f;
+  std::memcpy(&b, &x, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+inline int64_t count_at_least(const uint32_t* key, int64_t n, uint32_t t) {
+  int32_t c = 0;                               // 32-bit lanes, as wide as the keys, so the loop vectorises
+#pragma omp simd reduction(+ : c)
+  for (int64_t m = 0; m < n; ++m) c += key[m] >= t ? 1 : 0;
+  return c;
+}
+
 // The k best of the first n pages into out[0 .. width), ascending, padded with -1. keep_last: the last page is
 // always taken and k - 1 others chosen (all pages when n <= k); otherwise the k best excluding the last page.
-// The threshold comes from nth_element on a copy of the scores (contiguous floats, no index indirection); pages
-// above it are taken in index order, then pages equal to it, lowest index first, until `want` are taken.
-void pick_top(const float* score, int64_t n, int64_t k, bool keep_last, int64_t width, float* scratch,
+// The threshold (the want-th largest score) is found bit by bit on the keys, 32 vectorised counting passes over
+// the scores in L1: branch-free, unlike nth_element, whose data-dependent branches cost more than the scoring.
+// Pages above it are taken in index order, then pages equal to it, lowest index first, until `want` are taken.
+void pick_top(const float* score, int64_t n, int64_t k, bool keep_last, int64_t width, uint32_t* key,
               int64_t* out) {
   const int64_t others = n > 0 ? n - 1 : 0;
   const int64_t want = std::max<int64_t>(std::min<int64_t>(keep_last ? k - 1 : k, others), 0);
@@ -141,14 +156,16 @@ void pick_top(const float* score, int64_t n, int64_t k, bool keep_last, int64_t 
   if (want == others) {
     for (; c < others; ++c) out[c] = c;
   } else if (want > 0) {
-    std::memcpy(scratch, score, others * sizeof(float));
-    std::nth_element(scratch, scratch + want - 1, scratch + others, std::greater<float>());
-    const float thr = scratch[want - 1];
-    int64_t above = 0;
-    for (int64_t m = 0; m < others; ++m) above += score[m] > thr;
+    for (int64_t m = 0; m < others; ++m) key[m] = order_key(score[m]);
+    uint32_t thr = 0;
+    for (int bit = 31; bit >= 0; --bit) {
+      const uint32_t cand = thr | (1u << bit);
+      if (count_at_least(key, others, cand) >= want) thr = cand;
+    }
+    const int64_t above = thr == UINT32_MAX ? 0 : count_at_least(key, others, thr + 1);
     int64_t ties = want - above;
     for (int64_t m = 0; m < others; ++m) {
-      if (score[m] > thr || (score[m] == thr && ties-- > 0)) out[c++] = m;
+      if (key[m] > thr || (key[m] == thr && ties-- > 0)) out[c++] = m;
     }
   }
   if (keep_last && n > 0 && k > 0) out[c++] = n - 1;
@@ -243,20 +260,37 @@ at::Tensor page_scores(const at::Tensor& q, const at::Tensor& kmin, const at::Te
   return out;
 }
 
+// Pages each (rows[b], heads[j]) holds, from a [S, H'] token-count table of any strides (int32 or int64).
+at::Tensor pages_from_tokens(const at::Tensor& num_tokens, int64_t page_size, const at::Tensor& rows,
+                             const at::Tensor& heads) {
+  TORCH_CHECK(num_tokens.dim() == 2 && page_size >= 1, "top_pages: num_tokens [S, H], page_size >= 1");
+  const at::Tensor r = rows.to(at::kLong).contiguous(), h = heads.to(at::kLong).contiguous();
+  const at::Tensor t = num_tokens.to(at::kLong);
+  const int64_t B = r.size(0), H = h.size(0), s0 = t.stride(0), s1 = t.stride(1);
+  const int64_t *rp = r.data_ptr<int64_t>(), *hp = h.data_ptr<int64_t>(), *tp = t.data_ptr<int64_t>();
+  at::Tensor out = at::empty({B, H}, r.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < H; ++j) o[b * H + j] = (tp[rp[b] * s0 + hp[j] * s1] + page_size - 1) / page_size;
+  return out;
+}
+
 // Scores and the top-k page set in one pass, no [B, H, W] score tensor: int64 [B, H, min(k, W)], ascending pages,
-// padded with -1 (see pick_top for keep_last).
-at::Tensor top_pages(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& num_pages,
-                     int64_t k, bool keep_last, const at::Tensor& rows, const at::Tensor& heads) {
+// padded with -1 (see pick_top for keep_last). The page counts come from the layer's token counts, read through
+// rows and heads like the MinMax cache, so the caller runs no torch op before this one.
+at::Tensor top_pages(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& num_tokens,
+                     int64_t page_size, int64_t k, bool keep_last, const at::Tensor& rows, const at::Tensor& heads) {
   TORCH_CHECK(k >= 1, "top_pages: k must be >= 1");
+  const at::Tensor num_pages = pages_from_tokens(num_tokens, page_size, rows, heads);
   std::vector<at::Tensor> keep;
   const ScoreArgs a = score_args(q, kmin, kmax, rows, heads, num_pages, keep);
   const int64_t width = std::min<int64_t>(k, a.W);
   at::Tensor out = at::empty({a.B, a.H, width}, q.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   dispatch_scored(a, kmin, kmax, [op, width, k, keep_last](int64_t i, int64_t n, const float* s) {
-    thread_local std::vector<float> scratch;
-    scratch.resize(std::max<int64_t>(n, 1));
-    pick_top(s, n, std::min(k, width), keep_last, width, scratch.data(), op + i * width);
+    thread_local std::vector<uint32_t> keys;
+    keys.resize(std::max<int64_t>(n, 1));
+    pick_top(s, n, std::min(k, width), keep_last, width, keys.data(), op + i * width);
   });
   return out;
 }
@@ -296,7 +330,7 @@ at::Tensor resident_pages(const at::Tensor& table, const at::Tensor& num_pages) 
 TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("page_scores(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, Tensor rows, Tensor heads) -> Tensor",
         &page_scores);
-  m.def("top_pages(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, int k, bool keep_last, Tensor rows, "
-        "Tensor heads) -> Tensor", &top_pages);
+  m.def("top_pages(Tensor q, Tensor kmin, Tensor kmax, Tensor num_tokens, int page_size, int k, bool keep_last, "
+        "Tensor rows, Tensor heads) -> Tensor", &top_pages);
   m.def("resident_pages(Tensor table, Tensor num_pages) -> Tensor", &resident_pages);
 }

@@ -46,10 +46,17 @@ def topk_pages(scores: torch.Tensor, num_pages: torch.Tensor, k: int, keep_last:
     return torch.where(torch.isneginf(top.values), PAD, top.indices)
 
 
-def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor, k: int,
-              keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
+def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor, page_size: int,
+              k: int, keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
               scorer=page_scores) -> torch.Tensor:
-    """page_scores (by `scorer`, the device's kernel) then topk_pages: [B, H, min(k, M)] int64, PAD-padded."""
+    """page_scores (by `scorer`, the device's kernel) then topk_pages: [B, H, min(k, M)] int64, PAD-padded.
+
+    num_tokens: [S, Hkv'] tokens each head holds, indexed by rows and heads like kmin/kmax (one layer's slice of the
+    cache's token counts); a head's pages are ceil(tokens / page_size), at most M.
+    """
+    n = num_tokens if rows is None else num_tokens[rows]
+    n = n if heads is None else n[:, heads]
+    num_pages = ((n.long() + page_size - 1) // page_size).clamp(max=kmin.shape[2])
     return topk_pages(scorer(q, kmin, kmax, num_pages, rows, heads), num_pages, k, keep_last)
 
 
