@@ -142,6 +142,28 @@ def test_top_pages_equal_brute_force_on_a_strided_view(dtype, keep_last, k):
             assert len(ref_set & set(pages)) >= len(pages) - 1
 
 
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_top_pages_break_ties_to_the_lower_page(keep_last):
+    """Pages with equal bounds (repeated MinMax rows, and all-zero rows whose bound is -0.0 or +0.0) are taken
+    lowest index first, and exactly k of them: the threshold search counts equal scores as equal."""
+    g = torch.Generator().manual_seed(3)
+    S, Hkv, M, D = 2, 1, 40, 64
+    a, b = torch.randn(S, 1, Hkv, 4, D, generator=g), torch.randn(S, 1, Hkv, 4, D, generator=g)
+    kmin, kmax = torch.minimum(a, b).repeat(1, 1, 1, M // 4, 1), torch.maximum(a, b).repeat(1, 1, 1, M // 4, 1)
+    kmin[1, :, :, ::3] = 0.0                                  # row 1: every third page has a zero bound
+    kmax[1, :, :, ::3] = 0.0
+    q = torch.randn(S, 3, D, generator=g).abs().neg()        # q <= 0, so zero rows give -0.0 sums in places
+    num_tokens = torch.full((S, Hkv), M * 16, dtype=torch.int32)
+    rows, heads = torch.arange(S), torch.arange(Hkv)
+    scores = cpu_kernels.page_scores(q, kmin[:, 0], kmax[:, 0], torch.full((S, Hkv), M), rows, heads)
+    for k in (2, 5, 11, 17):
+        out = cpu_kernels.top_pages(q, kmin[:, 0], kmax[:, 0], num_tokens, 16, k, keep_last, rows, heads)
+        for r in range(S):
+            got = [p for p in out[r, 0].tolist() if p >= 0]
+            assert len(got) == k and got == sorted(got)
+            assert set(got) == _brute_top(scores[r, 0], M, k, keep_last)
+
+
 def test_resident_pages_equal_reference_on_strided_tables():
     from systems.engine.ops import torch_scoring
     g = torch.Generator().manual_seed(3)
