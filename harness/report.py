@@ -37,7 +37,8 @@ def provenance(cfg) -> str:
     env = static_env()
     cmd = command_line(cfg)
     dirty = " (dirty tree)" if env.get("git_dirty") else ""
-    return (f"Made by `{cmd}` at git `{(env.get('git_sha') or 'unknown')[:10]}`{dirty} on {env['cpu']} "
+    code = f", code `{env['code_hash']}`" if env.get("code_hash") else ""
+    return (f"Made by `{cmd}` at git `{(env.get('git_sha') or 'unknown')[:10]}`{dirty}{code} on {env['cpu']} "
             f"({env['cpu_count']} cores, GPU: {env['gpu'] or 'none'}), torch {env['packages'].get('torch')}, "
             f"transformers {env['packages'].get('transformers')}. Per-cell config.yaml and env.json sit beside "
             "this file (git-ignored raw runs).")

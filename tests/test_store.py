@@ -40,9 +40,10 @@ def test_atomic_json_leaves_no_temp(tmp_path):
 
 
 def test_a_cell_made_by_other_code_is_moved_aside_and_rerun(tmp_path, capsys):
-    """Resume and reuse only under the code that made the rows: another commit, diff or package set (or another
-    model / system / task) retires the folder, so a summary never mixes code versions under one provenance."""
-    env_a = {"git_sha": "a" * 40, "git_diff": None, "packages": {"torch": "2.13.0"}, "seed": 0}
+    """Resume and reuse only under the code that made the rows: other source files or another package set (or
+    another model / system / task) retires the folder, so a summary never mixes code versions under one provenance;
+    a new commit that leaves the code as it was (docs, tests, results) keeps the rows."""
+    env_a = {"git_sha": "a" * 40, "git_diff": None, "code_hash": "c0de", "packages": {"torch": "2.13.0"}, "seed": 0}
     cell = Cell(tmp_path / "c")
     cell.open("model: m\nexp: {x: 1}\n", env_a)
     cell.append(_rows(["s0"]))
@@ -50,8 +51,11 @@ def test_a_cell_made_by_other_code_is_moved_aside_and_rerun(tmp_path, capsys):
     same = Cell(tmp_path / "c")
     same.open("model: m\nexp: {x: 2}\n", {**env_a, "seed": 0, "command": ["other"]})   # exp block is not the cell's
     assert same.is_complete() and same.done_ids() == {"s0"}
-    for env, config in (({**env_a, "git_sha": "b" * 40}, "model: m\n"),
-                        ({**env_a, "git_diff": "123abc"}, "model: m\n"),
+    docs_commit = Cell(tmp_path / "c")
+    docs_commit.open("model: m\n", {**env_a, "git_sha": "b" * 40, "git_diff": "d0c5"})
+    assert docs_commit.is_complete() and "[stale]" not in capsys.readouterr().out
+    old_record = {k: v for k, v in env_a.items() if k != "code_hash"}               # written before code_hash
+    for env, config in (({**env_a, "code_hash": "c0de2"}, "model: m\n"),
                         ({**env_a, "packages": {"torch": "2.14.0"}}, "model: m\n"),
                         (env_a, "model: other\n")):
         Cell(tmp_path / "c").open("model: m\n", env_a)                              # rows of code A
@@ -60,5 +64,26 @@ def test_a_cell_made_by_other_code_is_moved_aside_and_rerun(tmp_path, capsys):
         fresh.open(config, env)
         assert fresh.done_ids() == set() and not fresh.is_complete()
         assert "[stale] c:" in capsys.readouterr().out
+    for env, kept in (({**old_record, "git_sha": "b" * 40}, False), (old_record, True)):
+        Cell(tmp_path / "c").open("model: m\n", old_record)
+        Cell(tmp_path / "c").append(_rows(["s0"]))
+        again = Cell(tmp_path / "c")
+        again.open("model: m\n", env)
+        assert (again.done_ids() == {"s0"}) is kept
     stale = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("c.stale-"))
-    assert len(stale) == 7                   # each reopen by code A retires the previous variant too: nothing lost
+    assert len(stale) == 8                   # each reopen by code A retires the previous variant too: nothing lost
+
+
+def test_code_hash_follows_source_files_not_docs(tmp_path):
+    from harness.envinfo import code_hash
+    (tmp_path / "systems").mkdir()
+    (tmp_path / "systems" / "k.cpp").write_text("int x;")
+    (tmp_path / "README.md").write_text("docs")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("x = 1")
+    first = code_hash(tmp_path)
+    (tmp_path / "README.md").write_text("more docs")
+    (tmp_path / "tests" / "t.py").write_text("x = 2")
+    assert code_hash(tmp_path) == first
+    (tmp_path / "systems" / "k.cpp").write_text("int y;")
+    assert code_hash(tmp_path) != first
