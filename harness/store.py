@@ -5,9 +5,10 @@ A row is one JSON line written with a single write() and fsync'd, so a crash lea
 line; opening the cell cuts it off, so a rerun resumes at the first missing sample with no lost or
 duplicated rows. metrics.json (written by temp file + rename) marks the cell complete.
 
-A cell is resumed (or reused when complete) only by the code that made it: when env.json names another commit,
-uncommitted diff or package set, or config.yaml another model, system, task or seed, the folder is moved aside to
-`<cell-key>.stale-<sha>` and the cell runs again, so a summary never mixes code versions under one provenance line.
+A cell is resumed (or reused when complete) only by the code that made it, on the same arithmetic: when env.json
+names another code hash (of the source and config files), package set or matrix ISA, or config.yaml another model,
+system, task or seed, the folder is moved aside to `<cell-key>.stale-<sha>` and the cell runs again, so a summary
+never mixes code versions or machine classes under one provenance line.
 """
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ class Cell:
     def predictions_path(self) -> Path:
         return self.root / PREDICTIONS
 
-    def is_complete(self) -> bool:
-        self.retire_if_stale()
+    def is_complete(self, config_yaml: str | None = None) -> bool:
+        """metrics.json marks the cell complete, made by the code running now (and with `config_yaml`'s settings
+        when given); a stale folder is moved aside first."""
+        self.retire_if_stale(config_yaml)
         try:
             return bool(json.loads((self.root / METRICS).read_text()).get("complete"))
         except (OSError, ValueError):
@@ -72,9 +75,12 @@ class Cell:
             return False
         why = None
         now = env if env is not None else self._env if self._env is not None else static_env()
-        if code_identity(old_env) != code_identity(now):
+        old_id, new_id = code_identity(old_env), code_identity(now)
+        if old_id != new_id:
+            what = [name for name, a, b in zip(("code", "packages", "matrix ISA"), old_id, new_id) if a != b]
             why = f"made at git {(old_env.get('git_sha') or 'unknown')[:10]}" + (
-                " with uncommitted changes" if old_env.get("git_diff") else "") + ", the code differs now"
+                " with uncommitted changes" if old_env.get("git_diff") else "") + f", the {' and '.join(what)} " \
+                f"differ{'s' if len(what) == 1 else ''} now"
         elif config_yaml is not None and (self.root / CONFIG).is_file() and \
                 _cell_config(config_yaml) != _cell_config((self.root / CONFIG).read_text()):
             why = "made with another model, system, task or seed"

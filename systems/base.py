@@ -18,6 +18,10 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()        # stop strings: generation ends and the text is cut before them
     arrival_time: float | None = None  # perf_counter() when the request arrived; None = at generate() call
+    # teacher forcing: the system runs exactly as when generating (the KV policy acts the same) but feeds these
+    # tokens back instead of its own choice; EOS and stop strings do not end it
+    forced_output_ids: tuple[int, ...] | None = None
+    logprob_steps: int = 0            # keep the full next-token log-probabilities of the first N output steps
 
 
 @dataclass
@@ -31,6 +35,11 @@ class Completion:
     token_times: list[float]            # perf_counter() when each output token became available
     finish_reason: str = "length"       # "length" | "stop" | "eos"
     kv_stats: dict[str, Any] = field(default_factory=dict)  # policy-specific realized counts
+    # for forced or logprob requests (empty otherwise): log p of each output token under the system, the system's
+    # own argmax at each step, and [min(N, steps), vocab] fp32 log-probabilities of the first logprob_steps steps
+    token_logprobs: list[float] = field(default_factory=list)
+    argmax_ids: list[int] = field(default_factory=list)
+    logprobs: Any = None
 
     @property
     def ttft(self) -> float | None:

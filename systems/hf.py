@@ -7,20 +7,7 @@ from typing import Sequence
 import torch
 
 from systems.base import Completion, GenerationRequest, MemoryReport, cut_at_stop
-
-
-def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
-    """'auto' is bf16 where the hardware multiplies it fast (CUDA, or CPUs with avx512_bf16), else fp32."""
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype in table:
-        return table[dtype]
-    if dtype != "auto":
-        raise ValueError(f"unknown dtype {dtype!r}: use auto, bfloat16 or float32")
-    if device.startswith("cuda"):
-        return torch.bfloat16
-    from harness.envinfo import cpu_flags  # a leaf module with no harness state
-    return torch.bfloat16 if "avx512_bf16" in cpu_flags() else torch.float32
+from systems.hardware import resolve_dtype
 
 
 class _StepClock:
@@ -51,6 +38,8 @@ class _StepClock:
 class HFSystem:
     """transformers `generate` over left-padded batches; dense KV, so memory is the full cache."""
 
+    supports_forced_decoding = True
+
     def __init__(self, model_dir: str, dtype: str = "auto", name: str = "hf", device: str = "cpu",
                  batch_size: int = 8):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,10 +69,30 @@ class HFSystem:
         self.model = None
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
+        forced = [r for r in requests if r.forced_output_ids is not None]
+        if forced and len(forced) != len(requests):
+            raise ValueError("HFSystem: send forced and free requests in separate generate() calls")
+        if forced:
+            return [self._force(r) for r in requests]
         out: list[Completion] = []
         for start in range(0, len(requests), self.batch_size):
             out.extend(self._generate_batch(requests[start:start + self.batch_size]))
         return out
+
+    @torch.inference_mode()
+    def _force(self, r: GenerationRequest) -> Completion:
+        """Teacher forcing on a dense model is one forward over prompt + forced tokens (no KV policy to act)."""
+        arrival = time.perf_counter()
+        forced = [int(t) for t in r.forced_output_ids[:r.max_new_tokens]]
+        ids = torch.tensor([list(r.prompt_token_ids) + forced], device=self.device)
+        logits = self.model(ids).logits[0, len(r.prompt_token_ids) - 1:-1].float()
+        logp = torch.log_softmax(logits, -1)
+        now = time.perf_counter()
+        return Completion(
+            request_id=r.request_id, text=self.tokenizer.decode(forced, skip_special_tokens=True), token_ids=forced,
+            prompt_tokens=len(r.prompt_token_ids), output_tokens=len(forced), arrival_time=r.arrival_time or arrival,
+            token_times=[now] * len(forced), token_logprobs=logp.gather(1, torch.tensor(forced)[:, None])[:, 0].tolist(),
+            argmax_ids=logits.argmax(-1).tolist(), logprobs=logp[:r.logprob_steps].cpu() if r.logprob_steps else None)
 
     @torch.inference_mode()
     def _generate_batch(self, reqs: Sequence[GenerationRequest]) -> list[Completion]:
@@ -103,11 +112,14 @@ class HFSystem:
             torch.manual_seed(reqs[0].seed)
         kwargs = dict(do_sample=True, temperature=reqs[0].temperature, top_p=reqs[0].top_p) if sampled else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None)
-        gen = self.model.generate(
+        want_logprobs = max(r.logprob_steps for r in reqs)
+        out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
             max_new_tokens=max(r.max_new_tokens for r in reqs), stopping_criteria=[clock],
             pad_token_id=self.pad_id, eos_token_id=None,  # EOS is handled per row by the clock (ignore_eos)
-            **kwargs)
+            output_logits=bool(want_logprobs), return_dict_in_generate=True, **kwargs)
+        gen = out.sequences
+        step_logp = (torch.log_softmax(torch.stack(out.logits, 1).float(), -1) if want_logprobs else None)
         self._peak_kv = max(self._peak_kv, gen.shape[0] * (gen.shape[1] - 1) * self.kv_bytes_per_token)
         results = []
         for i, r in enumerate(reqs):
@@ -115,8 +127,13 @@ class HFSystem:
             toks = [int(t) for t in gen[i, width:width + n]]
             text = self.tokenizer.decode(toks[:-1] if clock.reason[i] == "eos" else toks, skip_special_tokens=True)
             text, _ = cut_at_stop(text, r.stop)
+            extra = {}
+            if r.logprob_steps and step_logp is not None:
+                lp = step_logp[i, :n]
+                extra = dict(token_logprobs=lp.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist(),
+                             argmax_ids=lp.argmax(-1).tolist(), logprobs=lp[:r.logprob_steps].cpu())
             results.append(Completion(
                 request_id=r.request_id, text=text, token_ids=toks, prompt_tokens=len(r.prompt_token_ids),
                 output_tokens=n, arrival_time=r.arrival_time or arrival, token_times=clock.times[i],
-                finish_reason=clock.reason[i]))
+                finish_reason=clock.reason[i], **extra))
         return results

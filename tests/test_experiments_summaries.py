@@ -9,33 +9,16 @@ from harness.experiments import accuracy_retention as ar
 from harness.experiments import cake_ablation, memory, needlebench
 
 
-def test_retention_macro_mean_and_ratio_of_means_flag_tiny_reference():
-    scores = {"dense": {"a": 50.0, "b": 20.0, "c": 1.0},
-              "p": {"a": 40.0, "b": 20.0, "c": 3.0}}
-    tab = ar.retention_table(scores, "dense", min_ref=5.0)
-    assert tab["flagged"] == ["c"]                       # dense 1.0 < 5: ratio 3.0 shown but not averaged
-    assert tab["ratios"]["p"]["c"] == pytest.approx(3.0)
-    avg = tab["averages"]["p"]
-    assert avg["macro_retention"] == pytest.approx((0.8 + 1.0) / 2)
-    assert avg["ratio_of_means"] == pytest.approx(60.0 / 70.0)
-    assert avg["units_used"] == 2
-    assert tab["averages"]["dense"]["macro_retention"] == pytest.approx(1.0)
-
-
-def test_unit_scores_split_multi_dataset_tasks():
-    rows = [{"meta": {"dataset": "qasper"}}, {"meta": {"dataset": "trec"}}]
-    m = {"task": "longbench_x", "summary": {"score": 30.0, "qasper": 20.0, "trec": 40.0}}
-    assert ar.unit_scores(m, rows) == {"longbench_x/qasper": 20.0, "longbench_x/trec": 40.0}
-    single = {"task": "needlebench_srt", "summary": {"score": 55.0}}
-    assert ar.unit_scores(single, [{"meta": {"length": 1}}]) == {"needlebench_srt": 55.0}
-
-
-def test_needlebench_length_depth_grid_from_summary():
-    summary = {"score": 50.0, "len1000_depth10": 100.0, "len1000_depth90": 0.0, "len2000_depth10": 50.0,
-               "depth10": 75.0, "len1000": 50.0}
-    lengths, depths, grid = needlebench.length_depth(summary)
-    assert lengths == [1000, 2000] and depths == [10.0, 90.0]
-    assert grid[(1000, 90.0)] == 0.0 and (2000, 90.0) not in grid
+def test_needlebench_length_depth_grid_from_rows():
+    rows = [{"score": 100.0, "meta": {"mode": "srt", "length": 1000, "depth": 10}},
+            {"score": 0.0, "meta": {"mode": "srt", "length": 1000, "depth": 10}},
+            {"score": 0.0, "meta": {"mode": "srt", "length": 1000, "depth": 90}},
+            {"score": 50.0, "hit_depth10": 100.0, "hit_depth50": 0.0,
+             "meta": {"mode": "mrt", "length": 2000, "needles": [{"depth": 10}, {"depth": 50}]}}]
+    lengths, depths, grid, counts = needlebench.length_depth(rows)
+    assert lengths == [1000, 2000] and depths == [10.0, 50.0, 90.0]
+    assert grid[(1000, 10.0)] == 50.0 and counts[(1000, 10.0)] == 2
+    assert grid[(2000, 50.0)] == 0.0 and (2000, 90.0) not in grid
 
 
 def test_cake_points_one_factor_studies_and_tau_sweep():

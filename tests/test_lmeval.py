@@ -76,3 +76,24 @@ def test_lmeval_generate_and_loglikelihood(tiny_llama_dir, tmp_path, monkeypatch
     # loglikelihood: two choices per doc, finite log-probabilities
     mc = out["samples"]["kvh_fixture_mc"]
     assert all(len(s["resps"]) == 2 and all(r[0][0] < 0 for r in s["resps"]) for s in mc)
+
+
+def test_loglikelihood_runs_under_the_policy(tiny_llama_dir):
+    """Teacher forcing through the engine: dense equals HF's forward, a small StreamingLLM budget changes it; the
+    standard lm-eval model arguments (device, batch sizes) are accepted, not taken for policy parameters."""
+    from types import SimpleNamespace
+
+    from harness.lmeval import KVHarnessLM
+
+    req = SimpleNamespace(args=("one two three four five six seven " * 20, " eight nine ten"))
+    common = dict(model_path=str(tiny_llama_dir), dtype="float32", max_length=1024, device="cpu",
+                  batch_size="auto", max_batch_size=4)
+    dense = KVHarnessLM(system="dense", **common)
+    hf = KVHarnessLM(system="hf", **common)
+    stream = KVHarnessLM(system="streaming", budget=16, **common)
+    (d,), (h,), (s,) = (lm.loglikelihood([req]) for lm in (dense, hf, stream))
+    assert d[0] == pytest.approx(h[0], abs=1e-3) and d[1] == h[1]
+    assert abs(s[0] - d[0]) > 1e-3
+    assert dense.kv_mode["loglikelihood"] == stream.kv_mode["loglikelihood"] == "physical"
+    rolling = dense.loglikelihood_rolling([SimpleNamespace(args=("a b c d e f g",))])
+    assert rolling[0] < 0

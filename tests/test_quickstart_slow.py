@@ -22,12 +22,10 @@ def test_quickstart_toy_scale(tmp_path):
     run(cfg)
     out = Path(tmp_path) / "quickstart"
     rows = list(csv.DictReader((out / "summary.csv").open()))
-    acc = [r for r in rows if r["part"] == "accuracy"]
-    systems = {c for c in cfg.exp.systems}
-    assert len(acc) == len(systems) == 7
-    dense = next(r for r in acc if r["system"] == "engine-dense")
-    for key, value in dense.items():
-        if key.endswith(".retention") and value:
-            assert float(value) == 1.0
-    assert (out / "quickstart.png").stat().st_size > 10_000
-    assert "retention" in (out / "summary.md").read_text()
+    units = [r for r in rows if r.get("task") == "needlebench_srt_quick"]
+    assert {r["system"] for r in units} == {f"engine-{s}" for s in cfg.exp.systems}
+    dense = next(r for r in units if r["system"] == "engine-dense")
+    assert float(dense["retention"]) == 1.0 and float(dense["fid_top1"]) == 1.0
+    assert all(r["n"] == "1" for r in units)
+    assert (out / "quickstart_retention.png").stat().st_size > 10_000
+    assert "retention [95 % CI]" in (out / "summary.md").read_text()

@@ -19,16 +19,21 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import plots, report
+from harness import accuracy_report, plots
+from harness import uncertainty as unc
+from harness.accuracy_report import AccuracyData
 from harness.experiments import accuracy
 from harness.experiments.accuracy_retention import variant, with_task_params
 from harness.runner import Cell, UserError, validate
+from harness.store import Cell as StoreCell
+from harness.summary import Summary, print_paths
 from systems.policies import load_policy
 
 DEFAULTS = {"budgets": [128], "allocations": ["preference", "uniform", "pyramid", "random"],
             "indicators": ["mean_plus_var", "mean", "var", "mean_times_var"], "full_grid": False,
             "tau1s": [], "tau2s": [], "base": {"allocation": "preference", "indicator": "mean_plus_var"},
             "reference": None, "task_params": {}, "template_params": {}}
+SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 
 
 def points(p: dict) -> list[dict]:
@@ -88,17 +93,25 @@ def expand(cfg: DictConfig, cells: list[Cell], p: dict) -> tuple[list[Cell], lis
     return out_cells, tags
 
 
+def label(tag: dict, system: str) -> str:
+    """A distinct system label per ablation point (reference cells keep their system name)."""
+    if tag["study"] == "reference":
+        return system
+    taus = f" τ={tag['tau1']:g}/{tag['tau2']:g}" if tag.get("tau1") is not None else ""
+    return f"{system}@{tag['budget']} {tag['allocation']}+{tag['indicator']}{taus}"
+
+
 def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
     p = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
     if not p["budgets"]:
         raise UserError("exp.params.budgets must list at least one CAKE budget (tokens per layer)")
     cells = with_task_params(cfg, cells)
     cells, tags = expand(cfg, cells, p)
-    metrics = accuracy.run_cells(cfg, cells, out_dir)
-    paths = write_summary(cfg, cells, tags, metrics, p, out_dir)
-    print(Path(paths["md"]).read_text())
-    for kind, path in paths.items():
-        print(f"[{kind}] {path}")
+    labels = [label(t, c.system.name) for c, t in zip(cells, tags)]
+    reference = p["reference"] or accuracy_report.reference_label(cfg, labels) or labels[0]
+    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
+    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
+    print_paths(write_summary(cfg, cells, tags, labels, metrics, rows_by_cell, p, out_dir))
     return metrics
 
 
@@ -113,74 +126,84 @@ def _matches(row: dict, study: str, want: dict) -> bool:
     return all(row[k] == v for k, v in want.items())
 
 
-def write_summary(cfg, cells, tags, metrics, p: dict, out_dir: Path) -> dict[str, str]:
-    ref_name = p["reference"] or report.reference_system(cfg, cells)
-    rows = [{**t, "system": m["system"], "score": m["summary"].get("score"), "cell": c.key}
-            for c, t, m in zip(cells, tags, metrics)]
-    ref = [r["score"] for r in rows if r["study"] == "reference" and r["system"] == ref_name]
-    ref_score = ref[0] if ref else math.nan
-    for r in rows:
-        r["retention"] = r["score"] / ref_score if ref_score and not math.isnan(ref_score) else math.nan
+def write_summary(cfg, cells, tags, labels, metrics, rows_by_cell, p: dict, out_dir: Path) -> dict[str, str]:
+    reference = p["reference"] or accuracy_report.reference_label(cfg, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell)
+    unit = data.units[0] if len(data.units) == 1 else None
+    points = [{**t, "label": lab} for t, lab in zip(tags, labels) if t["study"] != "reference"]
     budgets = [int(b) for b in p["budgets"]]
     base = p["base"]
 
-    def score(budget, study, **want):
-        hits = [r["score"] for r in rows if r["budget"] == budget and _matches(r, study, want)]
-        return hits[0] if hits else math.nan
+    def find(budget, study, **want):
+        return next((pt["label"] for pt in points if pt["budget"] == budget and _matches(pt, study, want)), None)
 
-    parts = [f"# {cfg.exp.name}", ""]
-    is_default = lambda r: r["allocation"] == base["allocation"] and r["indicator"] == base["indicator"]  # noqa
-    cake_rows = [r for r in rows if r["study"] != "reference" and r["tau1"] is None]
-    best = max(cake_rows, key=lambda r: r["score"] if r["score"] is not None else -1, default=None)
-    defaults = {r["budget"]: r["score"] for r in cake_rows if is_default(r)}
-    glance = f"**At a glance:** `{ref_name}` scores {report.fmt(ref_score)}; CAKE (preference + mean+var) " + \
-        ", ".join(f"{report.fmt(defaults.get(b))} at budget {b}" for b in budgets)
-    if best is not None:
-        glance += (f"; best point {best['allocation']} + {best['indicator']} at budget {best['budget']}: "
-                   f"{report.fmt(best['score'])}")
-    parts += [glance + " (NeedleBench score, 0–100).", ""]
-    paths: dict[str, str] = {}
-    studies = (["grid"] if p["full_grid"] else ["allocation", "indicator"])
+    def cell_text(lab):
+        return data.macro_retention(lab, reference).fmt(2) if lab else "—"
+
+    ref_score = data.score(reference, unit) if unit else unc.NAN
+    summary = Summary(cfg)
+    summary.glance(f"`{reference}` scores {ref_score.fmt(1)}; retention of each CAKE point vs it: "
+                   + data.ranking(reference, [pt["label"] for pt in points])
+                   + " (`>` only where the paired 95 % interval of the difference excludes 0).")
+    studies = ["grid"] if p["full_grid"] else ["allocation", "indicator"]
     for study in studies:
         if study == "grid":
             for b in budgets:
-                vals = [[score(b, "grid", allocation=a, indicator=i) for i in p["indicators"]]
-                        for a in p["allocations"]]
-                parts += [f"## Allocation × indicator at budget {b} (CAKE F8; T2/T3 are its row/column)", "",
-                          report.md_table(["allocation \\ indicator", *p["indicators"]],
-                                          [[a, *v] for a, v in zip(p["allocations"], vals)], 1), ""]
-                paths[f"png_grid_{b}"] = plots.heatmap(
-                    out_dir / f"allocation_x_indicator_b{b}.png", vals, p["allocations"], p["indicators"],
-                    xlabel="eviction indicator", ylabel="budget allocation", colorbar="NeedleBench score (0–100)",
-                    title=f"CAKE ablation at {b} tokens/layer", vmin=0, vmax=100)
+                labs = [[find(b, "grid", allocation=a, indicator=i) for i in p["indicators"]] for a in p["allocations"]]
+                summary.section(f"Allocation × indicator at budget {b} (CAKE F8; T2/T3 are its row/column): "
+                                f"retention vs `{reference}`")
+                summary.table(["allocation \\ indicator", *p["indicators"]],
+                              [[a, *[cell_text(x) for x in row]] for a, row in zip(p["allocations"], labs)])
+                summary.image(f"png_grid_{b}", plots.heatmap(
+                    out_dir / f"allocation_x_indicator_b{b}.png",
+                    [[data.macro_retention(x, reference).value if x else math.nan for x in row] for row in labs],
+                    p["allocations"], p["indicators"], xlabel="eviction indicator", ylabel="budget allocation",
+                    colorbar=f"retention vs {reference}", title=f"CAKE ablation at {b} tokens/layer", digits=2,
+                    notes=[[_ci_note(data.macro_retention(x, reference)) if x else "" for x in row] for row in labs]),
+                    f"allocation x indicator b{b}")
             continue
         axis = "allocations" if study == "allocation" else "indicators"
         fixed = (f"indicator {base['indicator']}" if study == "allocation" else f"allocation {base['allocation']}")
-        table = [[x, *[score(b, study, **{study: x}) for b in budgets]] for x in p[axis]]
-        parts += [f"## {study.capitalize()} study ({fixed}; CAKE {'T2' if study == 'allocation' else 'T3'})", "",
-                  report.md_table([study, *[f"budget {b}" for b in budgets]], table, 1), ""]
-        paths[f"png_{study}"] = plots.bar_plot(
-            out_dir / f"{study}.png", [str(x) for x in p[axis]],
-            {f"budget {b}": [score(b, study, **{study: x}) for x in p[axis]] for b in budgets},
-            xlabel=study, ylabel="NeedleBench score (0–100)", reference=ref_score, reference_label=ref_name,
-            title=f"CAKE {study} ablation ({fixed})")
+        labs = {b: [find(b, study, **{study: x}) for x in p[axis]] for b in budgets}
+        summary.section(f"{study.capitalize()} study ({fixed}; CAKE {'T2' if study == 'allocation' else 'T3'}): "
+                        f"retention vs `{reference}` [95 % CI] n")
+        summary.table([study, *[f"budget {b}" for b in budgets]],
+                      [[x, *[cell_text(labs[b][j]) for b in budgets]] for j, x in enumerate(p[axis])])
+        est = {b: [data.macro_retention(x, reference) if x else unc.NAN for x in labs[b]] for b in budgets}
+        summary.image(f"png_{study}", plots.bar_plot(
+            out_dir / f"{study}.png", [str(x) for x in p[axis]], {f"budget {b}": [e.value for e in est[b]]
+                                                                  for b in budgets},
+            errors={f"budget {b}": [(e.low, e.high) for e in est[b]] for b in budgets},
+            notes={f"budget {b}": [f"n={e.n}" if e.n else "" for e in est[b]] for b in budgets},
+            xlabel=study, ylabel=f"retention vs {reference} (95 % CI)", reference=1.0,
+            reference_label=f"{reference} (= 1)", title=f"CAKE {study} ablation ({fixed})"), study)
     if p["tau1s"] and p["tau2s"]:
         for b in budgets:
-            vals = [[score(b, "tau", tau1=float(t1), tau2=float(t2)) for t2 in p["tau2s"]] for t1 in p["tau1s"]]
-            parts += [f"## tau1 × tau2 at budget {b} (CAKE F13; {base['allocation']} + {base['indicator']})", "",
-                      report.md_table(["tau1 \\ tau2", *[f"{t:g}" for t in p["tau2s"]]],
-                                      [[f"{t1:g}", *v] for t1, v in zip(p["tau1s"], vals)], 1), ""]
-            paths[f"png_tau_{b}"] = plots.heatmap(
-                out_dir / f"tau_sweep_b{b}.png", vals, p["tau1s"], p["tau2s"], xlabel="tau2 (variance exponent 1/τ2)",
-                ylabel="tau1 (entropy exponent 1/τ1)", colorbar="NeedleBench score (0–100)",
-                title=f"CAKE tau sweep at {b} tokens/layer", vmin=0, vmax=100)
-    parts += [f"Scores are the task's overall NeedleBench score; retention (in summary.csv) is score ÷ `{ref_name}`. "
-              "Budgets are CAKE's cache_size: average tokens per layer and KV head, window included.", "",
-              f"Regenerate: `{report.command_line(cfg)}`.", "", report.provenance(cfg), ""]
-    csv_rows = [{k: r.get(k) for k in ("study", "system", "task", "budget", "allocation", "indicator", "tau1", "tau2",
-                                        "score", "retention", "cell")} for r in rows]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
-    report.atomic_write_text(md, "\n".join(parts))
-    report.atomic_write_text(csv_path, report.to_csv(csv_rows))
-    return {"md": str(md), "csv": str(csv_path), **paths}
+            labs = [[find(b, "tau", tau1=float(t1), tau2=float(t2)) for t2 in p["tau2s"]] for t1 in p["tau1s"]]
+            summary.section(f"tau1 × tau2 at budget {b} (CAKE F13; {base['allocation']} + {base['indicator']}): "
+                            f"retention vs `{reference}`")
+            summary.table(["tau1 \\ tau2", *[f"{t:g}" for t in p["tau2s"]]],
+                          [[f"{t1:g}", *[cell_text(x) for x in row]] for t1, row in zip(p["tau1s"], labs)])
+            summary.image(f"png_tau_{b}", plots.heatmap(
+                out_dir / f"tau_sweep_b{b}.png",
+                [[data.macro_retention(x, reference).value if x else math.nan for x in row] for row in labs],
+                p["tau1s"], p["tau2s"], xlabel="tau2 (variance exponent 1/τ2)", ylabel="tau1 (entropy exponent 1/τ1)",
+                colorbar=f"retention vs {reference}", title=f"CAKE tau sweep at {b} tokens/layer", digits=2,
+                notes=[[_ci_note(data.macro_retention(x, reference)) if x else "" for x in row] for row in labs]),
+                f"tau sweep b{b}")
+    accuracy_report.standard_sections(summary, data, reference, out_dir, plot_name="retention_all.png")
+    summary.text("Budgets are CAKE's cache_size: average tokens per layer and KV head, window included.")
+    summary.csv([{**{k: pt.get(k) for k in ("study", "budget", "allocation", "indicator", "tau1", "tau2")},
+                  "system": pt["label"], "task": "POINT", **_as_csv(data.macro_retention(pt["label"], reference))}
+                 for pt in points])
+    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+                 "generation + fidelity, every cell")
+    return summary.write(out_dir)
+
+
+def _ci_note(e) -> str:
+    return f"[{e.low:.2f}, {e.high:.2f}]" if math.isfinite(e.low) and math.isfinite(e.high) else ""
+
+
+def _as_csv(e) -> dict:
+    return {"retention": e.value, "retention_ci_low": e.low, "retention_ci_high": e.high, "n": e.n}

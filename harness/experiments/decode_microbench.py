@@ -36,7 +36,7 @@ from harness.envinfo import env_record
 from harness.runner import Cell, UserError, load_group
 from harness.schema import SystemConfig
 from harness.store import Cell as StoreCell
-from systems.engine.engine import resolve_dtype
+from systems.hardware import resolve_dtype
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.ops import load_ops
 from systems.policies import load_policy

@@ -11,31 +11,43 @@ accuracy_retention).
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import plots, report
+from harness import accuracy_report, plots
+from harness import uncertainty as unc
+from harness.accuracy_report import AccuracyData
 from harness.experiments import accuracy
 from harness.experiments.accuracy_retention import with_task_params
 from harness.runner import Cell, UserError
-from tasks.needlebench import v1_overall, v2_overall
+from harness.store import Cell as StoreCell
+from harness.summary import Summary, print_paths
+from harness.uncertainty import Estimate
 
 MODES = ("srt", "mrt", "mrs")
 LABELS = {"srt": "S-RT", "mrt": "M-RT", "mrs": "M-RS"}
-GRID_KEY = re.compile(r"^len(\d+)_depth([0-9.]+)$")
+V1_WEIGHTS = {"srt": 0.4, "mrt": 0.3, "mrs": 0.3}
+SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 
 
-def length_depth(summary: dict) -> tuple[list[int], list[float], dict[tuple[int, float], float]]:
-    """(lengths, depths, score per (length, depth)) from a NeedleBench task summary."""
-    grid = {}
-    for key, value in summary.items():
-        m = GRID_KEY.match(key)
-        if m and isinstance(value, (int, float)):
-            grid[(int(m.group(1)), float(m.group(2)))] = float(value)
-    return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid
+def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[int, float], float],
+                                            dict[tuple[int, float], int]]:
+    """(lengths, depths, mean score per (length, depth), samples per cell) from NeedleBench rows; an M-RT sample
+    counts at the depth of each of its needles with that needle's hit."""
+    values: dict[tuple[int, float], list[float]] = {}
+    for row in rows:
+        meta = row["meta"]
+        if meta["mode"] == "mrt":
+            for needle in meta["needles"]:
+                key = (int(meta["length"]), float(needle["depth"]))
+                values.setdefault(key, []).append(row[f"hit_depth{_fmt_depth(needle['depth'])}"])
+        else:
+            values.setdefault((int(meta["length"]), float(meta["depth"])), []).append(row["score"])
+    grid = {k: sum(v) / len(v) for k, v in values.items()}
+    counts = {k: len(v) for k, v in values.items()}
+    return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
 
 
 def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
@@ -44,11 +56,11 @@ def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
         raise UserError(f"the needlebench experiment takes NeedleBench tasks only; remove {sorted(set(bad))} from "
                         f"exp.tasks (use +exp=accuracy_retention for other tasks)")
     cells = with_task_params(cfg, cells)
-    metrics = accuracy.run_cells(cfg, cells, out_dir)
-    paths = write_summary(cfg, cells, metrics, out_dir)
-    print(Path(paths["md"]).read_text())
-    for kind, path in paths.items():
-        print(f"[{kind}] {path}")
+    labels = [c.system.name for c in cells]
+    reference = accuracy_report.reference_label(cfg, labels) or labels[0]
+    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
+    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
+    print_paths(write_summary(cfg, cells, metrics, rows_by_cell, out_dir))
     return metrics
 
 
@@ -56,58 +68,61 @@ def _fmt_depth(d: float) -> str:
     return f"{d:g}"
 
 
-def write_summary(cfg, cells: list[Cell], metrics: list[dict], out_dir: Path) -> dict[str, str]:
+def overall(data: AccuracyData, system: str, units: dict[str, str], weights: dict[str, float]) -> Estimate:
+    """A weighted mean of the modes' mean scores, with a stratified bootstrap interval (NaN unless all ran)."""
+    if any(not data.n(system, units.get(m, "")) for m in weights):
+        return unc.NAN
+    vectors = [data.vectors([system], units[m])[0][0] for m in weights]
+    point, low, high = unc.stratified([(v,) for v in vectors],
+                                      lambda us: sum(w * u[0].mean(-1) for w, u in zip(weights.values(), us)))
+    return Estimate(point, low, high, sum(len(v) for v in vectors))
+
+
+def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dict, out_dir: Path) -> dict[str, str]:
     params = OmegaConf.to_container(cfg.exp.params, resolve=True)
-    systems = list(dict.fromkeys(m["system"] for m in metrics))
-    reference = params.get("reference") or report.reference_system(cfg, cells)
-    by = {(m["system"], c.task.params.mode): m for c, m in zip(cells, metrics)}
-    modes = [mode for mode in MODES if any((s, mode) in by for s in systems)]
-    overall: dict[str, dict[str, float]] = {}
-    for s in systems:
-        sc = {mode: by[(s, mode)]["summary"]["score"] if (s, mode) in by else math.nan for mode in MODES}
-        complete = all(not math.isnan(sc[mode]) for mode in MODES)
-        overall[s] = {**sc, "v1": v1_overall(sc["srt"], sc["mrt"], sc["mrs"]) if complete else math.nan,
-                      "v2": v2_overall(sc["srt"], sc["mrt"], sc["mrs"]) if complete else math.nan}
-    key = "v1" if not math.isnan(overall[systems[0]]["v1"]) else modes[0]
-    ref = overall.get(reference, {}).get(key, math.nan)
-    ret = {s: overall[s][key] / ref if ref and not math.isnan(ref) else math.nan for s in systems}
-    what = "v1 overall" if key == "v1" else LABELS[key]
+    labels = [c.system.name for c in cells]
+    reference = params.get("reference") or accuracy_report.reference_label(cfg, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell)
+    units = {c.task.params.mode: c.task.name for c in cells}
+    modes = [m for m in MODES if m in units]
+    v1 = {s: overall(data, s, units, V1_WEIGHTS) for s in data.systems}
+    v2 = {s: overall(data, s, units, {m: 1 / 3 for m in MODES}) for s in data.systems}
     budget = params.get("budget")
-    glance = (f"**At a glance:** NeedleBench {what} (0–100)" + (f" at a budget of {budget} tokens" if budget else "")
-              + ": " + ", ".join(f"{s} {report.fmt(overall[s][key])}" + (f" ({report.fmt(ret[s], 2)}× {reference})"
-                                                                          if s != reference else "")
-                                 for s in systems) + ".")
-    header = ["system", *[LABELS[m] for m in MODES], "v1 overall", "v2 overall", f"{what} ÷ {reference}"]
-    rows = [[s, *[overall[s][m] for m in MODES], overall[s]["v1"], overall[s]["v2"], report.fmt(ret[s], 2)]
-            for s in systems]
-    parts = [f"# {cfg.exp.name}", "", glance, "", report.md_table(header, rows, 1), "",
-             "v1 overall = 0.4 S-RT + 0.3 M-RT + 0.3 M-RS; v2 overall = their mean (blank unless all three ran).", ""]
-    panels: dict[str, list] = {m: [] for m in modes}
-    csv_rows = []
-    for s in systems:
-        csv_rows.append({"system": s, "mode": "overall", **{LABELS[m]: overall[s][m] for m in MODES},
-                         "v1_overall": overall[s]["v1"], "v2_overall": overall[s]["v2"], "retention": ret[s]})
-        for mode in modes:
-            if (s, mode) not in by:
-                continue
-            lengths, depths, grid = length_depth(by[(s, mode)]["summary"])
-            values = [[grid.get((L, d), math.nan) for d in depths] for L in lengths]
-            panels[mode].append((s, values, lengths, [_fmt_depth(d) for d in depths]))
-            parts += [f"## {s} × {LABELS[mode]}: score by context length (tokens) × needle depth (%)", "",
-                      report.md_table(["length \\ depth %", *[_fmt_depth(d) for d in depths]],
-                                      [[L, *row] for L, row in zip(lengths, values)], 0), ""]
-            csv_rows += [{"system": s, "mode": LABELS[mode], "length": L, "depth": d, "score": grid.get((L, d))}
-                         for L in lengths for d in depths]
-    parts += [f"Regenerate: `{report.command_line(cfg)}`.", "", report.provenance(cfg), ""]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
-    report.atomic_write_text(md, "\n".join(parts))
-    report.atomic_write_text(csv_path, report.to_csv(csv_rows))
-    paths = {"md": str(md), "csv": str(csv_path)}
+    summary = Summary(cfg)
+    summary.glance(f"macro retention over {', '.join(LABELS[m] for m in modes)} vs `{reference}`"
+                   + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)} "
+                   "(`>` only where the paired 95 % interval of the difference excludes 0).")
+    summary.section("Overall (score 0–100, 95 % CI)").table(
+        ["system", *[LABELS[m] for m in MODES], "v2 overall (mean)", "0.4/0.3/0.3 weighted"],
+        [[s, *[data.score(s, units[m]).fmt(1) if m in units and data.n(s, units[m]) else "—" for m in MODES],
+          v2[s].fmt(1), v1[s].fmt(1, with_n=False)] for s in data.systems])
+    summary.text("v2 overall = the mean of the three task scores (NeedleBench v2); the weighted column applies "
+                 "NeedleBench v1's weights (0.4 S-RT + 0.3 M-RT + 0.3 M-RS) to the same v2 per-sample scores. "
+                 "Blank unless all three modes ran.")
+    summary.csv([{"system": s, "task": "OVERALL", **v2[s].as_dict("v2_"), **v1[s].as_dict("weighted_")}
+                 for s in data.systems])
+    accuracy_report.standard_sections(summary, data, reference, out_dir)
     for mode in modes:
-        if panels[mode]:
-            paths[f"png_{mode}"] = plots.heatmap_grid(
-                out_dir / f"heatmap_{mode}.png", panels[mode], xlabel="needle depth (%)",
+        panels = []
+        for s in data.systems:
+            rows = list(data.rows.get((s, units[mode]), {}).values())
+            if not rows:
+                continue
+            lengths, depths, grid, counts = length_depth(rows)
+            values = [[grid.get((L, d), math.nan) for d in depths] for L in lengths]
+            panels.append((s, values, lengths, [_fmt_depth(d) for d in depths]))
+            summary.section(f"{s} × {LABELS[mode]}: score by context length (tokens) × needle depth (%), n per cell "
+                            f"{min(counts.values())}–{max(counts.values())}")
+            summary.table(["length \\ depth %", *[_fmt_depth(d) for d in depths]],
+                          [[L, *row] for L, row in zip(lengths, values)], 0)
+            summary.csv([{"system": s, "task": units[mode], "mode": LABELS[mode], "length": L, "depth": d,
+                          "score": grid.get((L, d)), "n": counts.get((L, d))} for L in lengths for d in depths])
+        if panels:
+            summary.image(f"png_{mode}", plots.heatmap_grid(
+                out_dir / f"heatmap_{mode}.png", panels, xlabel="needle depth (%)",
                 ylabel="context length (tokens)", colorbar="score (0–100)",
-                title=f"NeedleBench {LABELS[mode]} by length × depth")
-    return paths
+                title=f"NeedleBench {LABELS[mode]} by length × depth (n per cell "
+                      f"{min(counts.values())}–{max(counts.values())})"), f"heatmap {mode}")
+    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+                 "generation + fidelity, every cell")
+    return summary.write(out_dir)

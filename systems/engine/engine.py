@@ -7,6 +7,7 @@ from typing import Any, Callable
 import torch
 
 from systems.base import GenerationRequest, cut_at_stop
+from systems.engine.config import EngineConfig
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
@@ -14,25 +15,8 @@ from systems.engine.ops import load_ops
 from systems.engine.sampler import sample
 from systems.engine.scheduler import Scheduler
 from systems.engine.sequence import Sequence, Status
+from systems.hardware import resolve_dtype
 from systems.policies.base import Policy
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """'auto' = bf16 on CUDA and on CPUs with avx512_bf16, else fp32."""
-    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-             "float16": torch.float16, "fp16": torch.float16}
-    if dtype != "auto":
-        if dtype not in names:
-            raise ValueError(f"dtype {dtype!r} unknown; use auto, bfloat16, float16 or float32")
-        return names[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        flags = ""
-    return torch.bfloat16 if "avx512_bf16" in flags else torch.float32
 
 
 class Engine:
@@ -41,11 +25,10 @@ class Engine:
     def __init__(self, model_dir: str, policy: Policy, engine_cfg: Any, dtype: str = "auto",
                  device: str | None = None, max_model_len: int | None = None,
                  is_eos: Callable[[int], bool] | None = None):
-        cfg = lambda key, default: getattr(engine_cfg, key, default)  # noqa: E731 - EngineConfig-like objects
+        self.config = cfg = EngineConfig.coerce(engine_cfg)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        threads = cfg("threads", None)
-        if threads and self.device.type == "cpu":
-            torch.set_num_threads(int(threads))
+        if cfg.threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.threads)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel(model_dir, self.dtype, self.device)
         spec = self.model.spec
@@ -53,14 +36,13 @@ class Engine:
         self.ops = load_ops(self.device)
         self.kv = TieredKVCache(
             num_layers=spec.num_layers, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim, page_size=int(cfg("page_size", 16)), max_seqs=int(cfg("max_num_seqs", 16)),
-            max_model_len=self.max_model_len, device_memory_gb=float(cfg("device_memory_gb", 2.0)),
-            host_memory_gb=float(cfg("host_memory_gb", 8.0)), dtype=self.dtype, device=self.device, ops=self.ops)
+            head_dim=spec.head_dim, page_size=cfg.page_size, max_seqs=cfg.max_num_seqs,
+            max_model_len=self.max_model_len, device_memory_gb=cfg.device_memory_gb,
+            host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops)
         self.policy = policy
         policy.bind(self.kv)
-        self.scheduler = Scheduler(self.kv, policy, int(cfg("max_num_seqs", 16)),
-                                   int(cfg("max_num_batched_tokens", 8192)))
-        self.runner = ModelRunner(self.model, self.kv, policy, self.ops)
+        self.scheduler = Scheduler(self.kv, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv, policy, self.ops, batch_invariant=cfg.batch_invariant)
         eos = set(spec.eos_token_ids)
         self.is_eos = is_eos or (lambda t: t in eos)
         self.decode_text: Callable[[list[int]], str] = lambda ids: ""
@@ -72,6 +54,10 @@ class Engine:
         total = len(request.prompt_token_ids) + request.max_new_tokens
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id}: empty prompt")
+        forced = request.forced_output_ids
+        if forced is not None and not 0 < request.max_new_tokens <= len(forced):
+            raise ValueError(f"request {request.request_id}: max_new_tokens={request.max_new_tokens} must be in "
+                             f"[1, {len(forced)}], the number of forced output tokens")
         if total > self.max_model_len:
             raise ValueError(f"request {request.request_id}: prompt + max_new_tokens = {total} exceeds the "
                              f"engine's max_model_len {self.max_model_len}; truncate the prompt")
@@ -92,6 +78,7 @@ class Engine:
             return []
         logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
         tokens = sample(logits, seqs)
+        self._record_logprobs(seqs, logits, tokens)
         stamp = time.perf_counter()
         self.steps["prefill" if is_prefill else "decode"] += 1
         self._track_minmax()
@@ -105,8 +92,31 @@ class Engine:
                 finished.append(seq)
         return finished
 
+    @staticmethod
+    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
+        """Forced tokens replace the sampled ones; log-probabilities are kept where the request asks for them."""
+        want = [i for i, s in enumerate(seqs) if s.request.forced_output_ids is not None or s.request.logprob_steps]
+        if not want:
+            return
+        logp = torch.log_softmax(logits[want].float(), dim=-1)
+        for row, i in enumerate(want):
+            seq = seqs[i]
+            step = seq.num_output_tokens
+            forced = seq.request.forced_output_ids
+            if forced is not None:
+                tokens[i] = int(forced[step])
+            seq.token_logprobs.append(float(logp[row, tokens[i]]))
+            seq.argmax_ids.append(int(logits[i].argmax()))
+            if step < seq.request.logprob_steps:
+                seq.logprob_rows.append(logp[row].cpu())
+
     def _check_finish(self, seq: Sequence, token: int) -> bool:
         req = seq.request
+        if req.forced_output_ids is not None:        # teacher forcing: exactly the given tokens, EOS or not
+            if seq.num_output_tokens >= req.max_new_tokens:
+                seq.finish_reason = "length"
+                return True
+            return False
         if not req.ignore_eos and self.is_eos(token):
             seq.finish_reason = "eos"
             return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
 from systems.engine.sequence import Sequence
@@ -11,9 +12,13 @@ from systems.policies.base import DecodeStep, Policy
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: TieredKVCache, policy: Policy, attention_ops):
+    def __init__(self, model: LlamaModel, kv: TieredKVCache, policy: Policy, attention_ops,
+                 batch_invariant: bool = False):
         self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops
         self.device = model.device
+        # fixed matmul shapes per phase (see config.PREFILL_TILE): a row's numbers never depend on its batch
+        self.prefill_tile = PREFILL_TILE if batch_invariant else None
+        self.decode_tile = DECODE_TILE if batch_invariant else None
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -39,9 +44,9 @@ class ModelRunner:
                 policy.after_prefill_layer(kv, infos[i], layer, q[a:b], k[a:b])
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-        hidden = self.model.forward(ids, positions, attend)
+        hidden = self.model.forward(ids, positions, attend, tile=self.prefill_tile)
         last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
-        return self.model.logits(hidden[last])
+        return self.model.logits(hidden[last], tile=self.decode_tile)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -65,5 +70,5 @@ class ModelRunner:
             policy.after_append(kv, step)
             return out
 
-        hidden = self.model.forward(ids, positions, attend)
-        return self.model.logits(hidden)
+        hidden = self.model.forward(ids, positions, attend, tile=self.decode_tile)
+        return self.model.logits(hidden, tile=self.decode_tile)

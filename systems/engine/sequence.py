@@ -30,6 +30,11 @@ class Sequence:
         self.finish_reason = "length"
         self.text = ""
         self.kv_stats: dict = {}
+        # filled only for forced or logprob requests: log p of each output token, the model's own argmax at each
+        # step (differs from the token under teacher forcing), full log-softmax rows of the first logprob_steps
+        self.token_logprobs: list[float] = []
+        self.argmax_ids: list[int] = []
+        self.logprob_rows: list[torch.Tensor] = []
         self.generator: torch.Generator | None = None
         if request.temperature > 0:
             self.generator = torch.Generator().manual_seed(request.seed)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from systems.base import Completion, GenerationRequest, MemoryReport, cut_at_stop
 from systems.engine.engine import Engine
 from systems.policies import load_policy
 
 
 class EngineSystem:
+    supports_forced_decoding = True     # GenerationRequest.forced_output_ids / logprob_steps are honoured
     def __init__(self, model_dir: str, policy_name: str, policy_params: dict | None, engine: Any,
                  dtype: str = "auto", name: str = "engine-dense", device: str | None = None,
                  max_model_len: int | None = None):
@@ -39,7 +42,9 @@ class EngineSystem:
             out.append(Completion(
                 request_id=req.request_id, text=text, token_ids=seq.output_ids, prompt_tokens=seq.num_prompt_tokens,
                 output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time, token_times=seq.token_times,
-                finish_reason=seq.finish_reason, kv_stats=seq.kv_stats))
+                finish_reason=seq.finish_reason, kv_stats=seq.kv_stats, token_logprobs=seq.token_logprobs,
+                argmax_ids=seq.argmax_ids,
+                logprobs=torch.stack(seq.logprob_rows) if seq.logprob_rows else None))
         return out
 
     def memory_report(self) -> MemoryReport:

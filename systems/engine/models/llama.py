@@ -89,6 +89,21 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     raise ValueError(f"rope_type {kind!r} is not supported by the engine; supported: default, linear, llama3")
 
 
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int | None) -> torch.Tensor:
+    """F.linear; with `tile`, every GEMM call gets exactly `tile` rows (the last chunk zero-padded), so each row's
+    result depends only on that row, not on how many rows the batch has (GEMM libraries choose kernels, and with
+    them the reduction order, by shape)."""
+    if tile is None:
+        return F.linear(x, weight, bias)
+    n = x.shape[0]
+    pad = -n % tile
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if x.shape[0] == tile:
+        return F.linear(x, weight, bias)[:n]
+    return torch.cat([F.linear(chunk, weight, bias) for chunk in x.split(tile)])[:n]
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -143,8 +158,10 @@ class LlamaModel:
         return weight * xf.to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions: [T]; returns the final-normed hidden states [T, hidden]."""
+                attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                tile: int | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; returns the final-normed hidden states [T, hidden]. `tile`: rows per matmul
+        call (see tiled_linear); None = one call over all T rows."""
         s = self.spec
         T = input_ids.shape[0]
         nq, nkv, d = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
@@ -152,17 +169,17 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed)
         for i, lw in enumerate(self.layers):
             x = self.rms_norm(h, lw["ln1"])
-            qkv = F.linear(x, lw["qkv"], lw["qkv_b"])
+            qkv = tiled_linear(x, lw["qkv"], lw["qkv_b"], tile)
             qk = qkv[:, :nq + nkv].view(T, s.num_q_heads + s.num_kv_heads, d)
             qk = qk * cos + rotate_half(qk) * sin                      # q and k heads rotated in one pass
             q, k = qk[:, :s.num_q_heads], qk[:, s.num_q_heads:]
             v = qkv[:, nq + nkv:].reshape(T, s.num_kv_heads, d)
             o = attend(i, q, k, v)
-            h = h + F.linear(o.reshape(T, nq), lw["o"])
+            h = h + tiled_linear(o.reshape(T, nq), lw["o"], None, tile)
             x = self.rms_norm(h, lw["ln2"])
-            gate, up = F.linear(x, lw["gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw["down"])
+            gate, up = tiled_linear(x, lw["gate_up"], None, tile).chunk(2, dim=-1)
+            h = h + tiled_linear(F.silu(gate) * up, lw["down"], None, tile)
         return self.rms_norm(h, self.norm)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+        return tiled_linear(hidden, self.lm_head, None, tile).float()

@@ -1,0 +1,95 @@
+"""One writer for every experiment's summary.md / summary.csv: experiments hand it content, it owns the layout.
+
+Layout: `# title`, the **At a glance:** paragraph, sections (heading, prose, tables, images), then the footer every
+result carries: the command that regenerates it, what it cost, and how it was made (git sha, code hash, dtype,
+machine class, versions). Files are written whole and renamed, so a reader never sees half a summary.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from harness import report
+from harness.envinfo import machine_class, static_env
+from harness.store import atomic_write_text
+from systems.hardware import dtype_name
+
+
+class Summary:
+    def __init__(self, cfg, title: str | None = None):
+        self.cfg = cfg
+        self.title = title or cfg.exp.name
+        self.glance_text: str | None = None
+        self.parts: list[str] = []
+        self.csv_rows: list[dict] = []
+        self.paths: dict[str, str] = {}
+        self.cost: str | None = None
+
+    def glance(self, text: str, bullets: Sequence[str] = ()) -> "Summary":
+        self.glance_text = "**At a glance:** " + text + ("\n\n" + "\n".join(f"- {b}" for b in bullets)
+                                                         if bullets else "")
+        return self
+
+    def section(self, heading: str) -> "Summary":
+        self.parts += [f"## {heading}", ""]
+        return self
+
+    def text(self, paragraph: str) -> "Summary":
+        if paragraph:
+            self.parts += [paragraph, ""]
+        return self
+
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> "Summary":
+        if rows:
+            self.parts += [report.md_table(header, rows, digits), ""]
+        return self
+
+    def image(self, key: str, path: str | None, alt: str | None = None) -> "Summary":
+        """Record a written PNG and show it (beside summary.md, so the link is its bare name)."""
+        if path:
+            self.paths[key] = str(path)
+            self.parts += [f"![{alt or Path(path).stem}]({Path(path).name})", ""]
+        return self
+
+    def csv(self, rows: Sequence[dict]) -> "Summary":
+        self.csv_rows += list(rows)
+        return self
+
+    def took(self, seconds: float | None, what: str = "") -> "Summary":
+        """State the run's cost (wall time of its cells, all sessions together)."""
+        if seconds is not None and math.isfinite(seconds) and seconds > 0:
+            hours = seconds / 3600
+            self.cost = (f"{seconds / 60:.0f} min" if hours < 1 else f"{hours:.1f} h") + (f" ({what})" if what else "")
+        return self
+
+    def footer(self) -> list[str]:
+        env = static_env()
+        dtype = dtype_name(self.cfg.model.dtype) if self.cfg.get("model") is not None else None
+        lines = [f"Regenerate: `{report.command_line(self.cfg)}`."]
+        if self.cost:
+            lines.append(f"Cost: {self.cost} on this machine.")
+        lines.append(f"Machine class: {machine_class(env)}" + (f"; model dtype {dtype}." if dtype else "."))
+        lines.append(report.provenance(self.cfg))
+        return [line for part in lines for line in (part, "")]
+
+    def render(self) -> str:
+        head = [f"# {self.title}", ""] + ([self.glance_text, ""] if self.glance_text else [])
+        return "\n".join(head + self.parts + self.footer())
+
+    def write(self, out_dir: Path) -> dict[str, str]:
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
+        atomic_write_text(md, self.render())
+        paths = {"md": str(md)}
+        if self.csv_rows:
+            atomic_write_text(csv_path, report.to_csv(self.csv_rows))
+            paths["csv"] = str(csv_path)
+        return {**paths, **self.paths}
+
+
+def print_paths(paths: dict[str, str]) -> None:
+    print(Path(paths["md"]).read_text())
+    for kind, path in paths.items():
+        print(f"[{kind}] {path}")

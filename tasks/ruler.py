@@ -1,0 +1,309 @@
+"""RULER (NVIDIA, v1): 13 synthetic long-context tasks sized in the evaluated model's tokens, scored as RULER scores.
+
+Rules kept from NVIDIA/RULER (scripts/synthetic.yaml, scripts/data/synthetic/, scripts/eval/synthetic/):
+- tasks (RULER's names): niah_single_1 (noise haystack, word key, number value), niah_single_2 (essay, number),
+  niah_single_3 (essay, uuid), niah_multikey_1 (essay, 4 keys), niah_multikey_2 (distractor-needle haystack),
+  niah_multikey_3 (distractor needles, uuid keys and values), niah_multivalue (4 values), niah_multiquery (4 keys
+  asked), vt (1 chain of 4 hops in noise, one-shot), cwe (10 common words, one-shot), fwe (zeta alpha 2), qa_1
+  (SQuAD v2 dev), qa_2 (HotpotQA distractor dev); the generators are in tasks.ruler_data;
+- a length L is RULER's max_seq_length: prompt tokens + tokens to generate <= L, the prompt counted whole (chat
+  template, task text, answer prefix) in the evaluated model's tokenizer; the haystack size is RULER's binary
+  search over its unit (essay words in steps of 500; noise or distractor lines 25, 5 below 4,096 tokens; vt noise
+  lines 10, 5 below 4,096; cwe words 10; qa documents 10), starting from the tokens per unit of one probe (cwe: a
+  4,096-word probe); fwe grows its word count by L/32 from L/6 until it reaches L − 50 tokens, as RULER does; a
+  sample that lands over L is rebuilt one step smaller;
+- tokens to generate: niah 128, vt 30, cwe 120, fwe 50, qa 32; greedy decoding, no stop strings;
+- the answer prefix opens the model's answer: with the chat template it starts the assistant turn, without it it
+  ends the raw prompt (RULER appends it after its model wrapper); the prediction is what follows it;
+- scoring: the prediction is stripped, control characters become newlines, stripped again; string_match_all (niah,
+  vt, cwe, fwe) = the share of references found case-insensitively in it, string_match_part (qa) = 1 when any is;
+  ×100 per sample; a task's score is the mean over its samples, a length's the unweighted mean over tasks, and the
+  average the mean over lengths (RULER's README table);
+- seeds: RULER's default seed 42 (+ the run seed) for its fresh-Random shuffles; every sample draws from its own
+  seeded generator.
+Differences from RULER's code are listed in tasks.ruler_data (essay corpus and sentence splitter, cwe beyond the
+word pool) — and the singular rewrite touches the task text only, not a model wrapper (the harness owns the chat
+template).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import random
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from tasks import ruler_data as gen
+from tasks import sources
+from tasks.base import Sample, Task, TaskError, chat_prompt_ids
+
+NIAH = {
+    "niah_single_1": ("noise", "words", "numbers", 1, 1, 1), "niah_single_2": ("essay", "words", "numbers", 1, 1, 1),
+    "niah_single_3": ("essay", "words", "uuids", 1, 1, 1), "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
+    "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
+    "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
+    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1), "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4),
+}
+TASKS = [*NIAH, "vt", "cwe", "fwe", "qa_1", "qa_2"]
+SYNTHETIC = TASKS[:11]
+TOKENS_TO_GENERATE = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
+QA_FILES = {"qa_1": ("squad.json", "rajpurkar/squad_v2", None), "qa_2": ("hotpotqa.json", "hotpotqa/hotpot_qa",
+                                                                         "distractor")}
+RULER_SEED = 42
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+def kind_of(task: str) -> str:
+    return "niah" if task in NIAH else "qa" if task.startswith("qa") else task
+
+
+def postprocess(prediction: str) -> str:
+    return _CONTROL.sub("\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    p = postprocess(prediction).lower()
+    return 100.0 * sum(r.lower() in p for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    p = postprocess(prediction).lower()
+    return 100.0 * max(float(r.lower() in p) for r in references)
+
+
+class Ruler(Task):
+    @dataclass
+    class Params:
+        tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC))   # RULER task names
+        lengths: list[int] = field(default_factory=lambda: [4096])          # max_seq_length, generation included
+        num_samples: int = 500                                              # per (task, length); RULER's default
+        chat_template: bool = True          # false: raw prompt ending with the answer prefix (RULER's `base`)
+        data_dir: str | None = None         # qa: folder with RULER's squad.json / hotpotqa.json; null = the hub
+        hub_timeout_s: float = 5.0
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        p = self.params
+        unknown = sorted(set(p.tasks) - set(TASKS))
+        if unknown or not p.tasks:
+            raise TaskError(f"task.params.tasks: unknown RULER task(s) {unknown}; choose from {TASKS}")
+        if isinstance(p.lengths, (int, str)) or not p.lengths or any(int(n) < 512 for n in p.lengths):
+            raise TaskError(f"task.params.lengths must be a list of token lengths >= 512, got {p.lengths!r}")
+        if p.num_samples < 1:
+            raise TaskError(f"task.params.num_samples must be >= 1, got {p.num_samples}")
+        self.shuffle_seed = RULER_SEED + self.seed
+        self._qa: dict[str, tuple[list[dict], list[str]]] = {}
+        for task in p.tasks:             # offline without data: fail now, before any prompt is built
+            if task in QA_FILES:
+                self._qa[task] = self._load_qa(task)
+
+    # ---- measuring prompts -----------------------------------------------------------------------------------
+    def _counter(self, tokenizer) -> Callable[[gen.Draft], int]:
+        def count(d: gen.Draft) -> int:
+            prefix = len(tokenizer.encode(d.prefix, add_special_tokens=False))
+            if self.params.chat_template:
+                return len(chat_prompt_ids(tokenizer, d.text)) + prefix
+            return len(tokenizer.encode(d.text + d.prefix, add_special_tokens=True))
+        return count
+
+    def _rng(self, *key) -> random.Random:
+        return random.Random(":".join(map(str, (self.seed, "ruler") + key)))
+
+    @staticmethod
+    def _search(make: Callable[[int], gen.Draft], count: Callable[[gen.Draft], int], budget: int, step: int,
+                probe: int | None = None, factor: float = 3.0,
+                probe_make: Callable[[int], gen.Draft] | None = None) -> int:
+        """RULER's binary search: the largest haystack size whose prompt + generation fits `budget`; the upper
+        bound is `factor` × the units that fit at the tokens per unit of one probe (vt probes without its
+        one-shot example, as RULER does)."""
+        probe = probe or step
+        per_unit = count((probe_make or make)(probe)) / probe
+        low, high, best = step, max(int(budget / per_unit * factor), 2 * step), None
+        while low <= high:
+            mid = (low + high) // 2
+            if count(make(mid)) <= budget:
+                best, low = mid, mid + 1
+            else:
+                high = mid - 1
+        return best or step
+
+    def _fit(self, make: Callable[[int, random.Random], gen.Draft], count, size: int, step: int, budget: int,
+             rng_key: tuple) -> tuple[gen.Draft, int]:
+        """One sample at the searched size, rebuilt `step` smaller while it is over budget (RULER's fallback)."""
+        for attempt in range(64):
+            draft = make(size, self._rng(*rng_key, attempt))
+            tokens = count(draft)
+            if tokens <= budget:
+                return draft, tokens
+            size = max(step, size - step)
+        raise TaskError(f"RULER {rng_key[0]} cannot fit {budget} tokens: raise task.params.lengths")
+
+    # ---- samples -----------------------------------------------------------------------------------------------
+    def build_samples(self, tokenizer) -> list[Sample]:
+        count = self._counter(tokenizer)
+        out = []
+        for task in self.params.tasks:
+            for length in self.params.lengths:
+                out += self._task_samples(task, int(length), count, tokenizer)
+        return out
+
+    def _task_samples(self, task: str, length: int, count, tokenizer) -> list[Sample]:
+        kind, n = kind_of(task), self.params.num_samples
+        ttg = TOKENS_TO_GENERATE[kind]
+        budget = length - ttg                     # prompt tokens allowed
+        seed = self.shuffle_seed
+        probe_rng = self._rng(task, length, "search")
+        if kind == "fwe":
+            return self._fwe_samples(task, length, count, ttg)
+        if kind == "niah":
+            hay, tk, tv, k, v, q = NIAH[task]
+            step = 500 if hay == "essay" else (25 if length >= 4096 else 5)
+            make = lambda size, rng: gen.niah(size, rng, seed, haystack_kind=hay, type_k=tk, type_v=tv,  # noqa
+                                              num_k=k, num_v=v, num_q=q)
+            size = self._search(lambda m: make(m, probe_rng), count, budget, step)
+        elif kind == "vt":
+            example_draft = self._search_example(tokenizer)
+            example = gen.vt_example(example_draft)
+            step = 10 if length >= 4096 else 5
+            make = lambda size, rng: gen.vt(size, rng, icl=example)  # noqa: E731
+            size = self._search(lambda m: make(m, probe_rng), count, budget, step,
+                                probe_make=lambda m: gen.vt(m, probe_rng))
+        elif kind == "cwe":
+            step = 10
+            make = lambda size, rng: gen.cwe(size, rng, seed, length=length)  # noqa: E731
+            size = self._search(lambda m: make(m, probe_rng), count, budget, step, probe=4096, factor=2.0)
+        else:
+            questions, documents = self._qa[task]
+            if len(questions) < n:
+                raise TaskError(f"RULER {task}: {len(questions)} questions < task.params.num_samples={n}")
+            step = 10
+            size = self._search(lambda m: gen.qa(questions[0], documents, m, probe_rng, seed), count, budget, step)
+            samples = []
+            for i in range(n):
+                draft, tokens = self._fit(lambda m, rng, i=i: gen.qa(questions[i], documents, m, rng, seed), count,
+                                          size, step, budget, (task, length, i))
+                samples.append(self._sample(task, length, i, draft, tokens, ttg))
+            return samples
+        samples = []
+        for i in range(n):
+            draft, tokens = self._fit(make, count, size, step, budget, (task, length, i))
+            samples.append(self._sample(task, length, i, draft, tokens, ttg))
+        return samples
+
+    def _search_example(self, tokenizer) -> gen.Draft:
+        """vt's one-shot example: RULER builds it once at a 500-token budget, counted without a model wrapper."""
+        raw = lambda d: len(tokenizer.encode(d.text + d.prefix, add_special_tokens=False))  # noqa: E731
+        rng = self._rng("vt", "example")
+        size = self._search(lambda m: gen.vt(m, rng, example=True), raw, 500, 5)
+        return gen.vt(size, self._rng("vt", "example", "final"), example=True)
+
+    def _fwe_samples(self, task: str, length: int, count, ttg: int) -> list[Sample]:
+        max_len = length - ttg
+        step = max(1, max_len // 32)
+        vocab_size = max_len // 50
+        vocab = gen.fwe_vocabulary(vocab_size, self._rng(task, length, "search"), self.shuffle_seed)
+        words = max_len // 6
+        while count(gen.fwe(words, vocab, self.shuffle_seed)) < max_len:
+            words += step
+        words -= step
+        samples = []
+        for i in range(self.params.num_samples):
+            vocab = gen.fwe_vocabulary(vocab_size, self._rng(task, length, i), self.shuffle_seed)
+            n = words
+            draft = gen.fwe(n, vocab, self.shuffle_seed)
+            while count(draft) > max_len and n > step:
+                n -= step
+                draft = gen.fwe(n, vocab, self.shuffle_seed)
+            samples.append(self._sample(task, length, i, draft, count(draft), ttg))
+        return samples
+
+    def _sample(self, task: str, length: int, i: int, draft: gen.Draft, tokens: int, ttg: int) -> Sample:
+        return Sample(
+            id=f"{task}-len{length}-{i}", prompt=draft.text, answers=tuple(draft.outputs), max_new_tokens=ttg,
+            chat_template=self.params.chat_template, truncation="none", answer_prefix=draft.prefix,
+            meta={"unit": task, "ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
+                  "metric": "part" if kind_of(task) == "qa" else "all", "chance_score": 0.0, **draft.info})
+
+    # ---- QA data -----------------------------------------------------------------------------------------------
+    def _load_qa(self, task: str) -> tuple[list[dict], list[str]]:
+        filename, repo, config = QA_FILES[task]
+        key = "task.params.data_dir"
+        if self.params.data_dir:
+            path = pathlib.Path(self.params.data_dir).expanduser() / filename
+            if not path.is_file():
+                raise TaskError(f"{path} not found: put RULER's {filename} there or fix {key}")
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return read_squad(data) if task == "qa_1" else read_hotpotqa(data)
+        rows = sources.hub_rows(repo, config, "validation", key,
+                                self.params.hub_timeout_s)
+        return squad_from_hub(rows) if task == "qa_1" else hotpotqa_from_hub(rows)
+
+    # ---- scoring -----------------------------------------------------------------------------------------------
+    def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        match = string_match_part if sample.meta["metric"] == "part" else string_match_all
+        return {"score": match(prediction, sample.answers)}
+
+    def summarize(self, rows: Sequence[dict]) -> dict[str, float]:
+        """RULER's table: per task × length (`{task}_len{L}`), per task, per length (mean over tasks), average."""
+        cells: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for row in rows:
+            cells[(row["meta"]["ruler_task"], int(row["meta"]["length"]))].append(row["score"])
+        mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+        out: dict[str, float] = {f"{t}_len{L}": round(mean(v), 2) for (t, L), v in sorted(cells.items())}
+        tasks = list(dict.fromkeys(t for t, _ in cells))
+        lengths = sorted({L for _, L in cells})
+        for t in tasks:
+            out[t] = mean([out[f"{t}_len{L}"] for L in lengths if (t, L) in cells])
+        for L in lengths:
+            out[f"len{L}"] = mean([out[f"{t}_len{L}"] for t in tasks if (t, L) in cells])
+        out["average"] = mean([out[f"len{L}"] for L in lengths])
+        out["score"] = mean([r["score"] for r in rows])
+        out["n"] = len(rows)
+        return out
+
+
+def read_squad(data: dict) -> tuple[list[dict], list[str]]:
+    """RULER's reading of SQuAD v2 dev json: sorted distinct paragraphs; answerable questions in file order."""
+    documents = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
+    index = {c: i for i, c in enumerate(documents)}
+    questions = []
+    for d in data["data"]:
+        article = [index[p["context"]] for p in d["paragraphs"]]
+        for p in d["paragraphs"]:
+            for qa in p["qas"]:
+                if not qa.get("is_impossible"):
+                    questions.append({"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
+                                      "context": [index[p["context"]]],
+                                      "more_context": [i for i in article if i != index[p["context"]]]})
+    return questions, documents
+
+
+def read_hotpotqa(data: list) -> tuple[list[dict], list[str]]:
+    """RULER's reading of HotpotQA dev distractor json: `title\\nsentences`, every listed paragraph gold."""
+    documents = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
+    index = {c: i for i, c in enumerate(documents)}
+    questions = [{"query": d["question"], "outputs": [d["answer"]],
+                  "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
+    return questions, documents
+
+
+def squad_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """The hub's flat SQuAD v2 rows regrouped into RULER's article/paragraph structure."""
+    articles: dict[str, dict[str, list]] = {}
+    for r in rows:
+        articles.setdefault(r["title"], {}).setdefault(r["context"], []).append(
+            {"question": r["question"], "answers": [{"text": t} for t in r["answers"]["text"]],
+             "is_impossible": not r["answers"]["text"]})
+    return read_squad({"data": [{"paragraphs": [{"context": c, "qas": q} for c, q in paras.items()]}
+                                for paras in articles.values()]})
+
+
+def hotpotqa_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    return read_hotpotqa([{"question": r["question"], "answer": r["answer"],
+                           "context": list(zip(r["context"]["title"], r["context"]["sentences"]))} for r in rows])
+
+
+TASK = Ruler
