@@ -50,7 +50,9 @@ class AccuracyData:
     """Per-sample rows of every (system label, task unit), and the estimates built from them."""
 
     def __init__(self, cells: Sequence, labels: Sequence[str], rows_by_cell: dict[str, list[dict]],
-                 min_reference: float = MIN_REFERENCE, task_name: Callable[[Any], str] | None = None):
+                 min_reference: float = MIN_REFERENCE, task_name: Callable[[Any], str] | None = None,
+                 unit_of: Callable[[str, dict], str] | None = None):
+        """`unit_of(task name, row)` overrides how rows split into task units (e.g. RULER task × length)."""
         self.min_reference = min_reference
         self.rows: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
         self.systems: list[str] = []
@@ -58,7 +60,7 @@ class AccuracyData:
         for cell, label in zip(cells, labels):
             rows = rows_by_cell.get(cell.key, [])
             task = task_name(cell) if task_name else cell.task.name
-            units = unit_names(task, rows)
+            units = ({r["id"]: unit_of(task, r) for r in rows} if unit_of else unit_names(task, rows))
             for row in rows:
                 unit = units[row["id"]]
                 self.rows[(label, unit)][row["id"]] = row
@@ -281,8 +283,10 @@ DEFINITIONS = (
 
 
 def standard_sections(summary, data: AccuracyData, reference: str | None, out_dir, *,
-                      units: Sequence[str] | None = None, plot_name: str = "retention.png") -> None:
-    """Averages, the per-unit table, the pairwise comparisons and the retention / fidelity figures."""
+                      units: Sequence[str] | None = None, plot_name: str = "retention.png",
+                      per_unit: bool = True) -> None:
+    """Averages, the per-unit table (in the CSV only when not `per_unit`), the pairwise comparisons and the
+    retention / fidelity figures."""
     from harness import plots
 
     units = list(units or data.units)
@@ -291,7 +295,8 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
         summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
         summary.csv(csv)
     md, csv = data.unit_table(reference if reference in data.systems else None, units)
-    summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
+    if per_unit:
+        summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
     summary.csv(csv)
     flagged = data.flagged(reference) if reference in data.systems else []
     if flagged:
@@ -303,7 +308,7 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
         summary.csv([{**r, "task": "PAIRWISE"} for r in csv])
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
-    if reference in data.systems and others:
+    if reference in data.systems and others and per_unit:
         use = [u for u in units if u not in flagged] or units
         series = {u: [data.retention(s, u, reference).value for s in others] for u in use}
         errors = {u: [(e.low, e.high) for e in (data.retention(s, u, reference) for s in others)] for u in use}
@@ -312,16 +317,16 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
             reference_label=f"{reference} (= 1)", xlabel="system", ylabel=f"retention vs {reference} (95 % CI)",
             title=f"Accuracy retention per task unit (n per unit: "
                   f"{', '.join(str(data.n(reference, u)) for u in use)})"), "retention")
-        if data.has("fid_top1"):
-            top1 = [data.fidelity(s, "fid_top1", units) for s in others]
-            kl = [data.fidelity(s, "fid_kl", units) for s in others]
-            summary.image("png_fidelity", plots.bar_plot(
-                out_dir / plot_name.replace("retention", "fidelity"), others,
-                {"top-1 agreement": [e.value for e in top1], "KL (nats)": [e.value for e in kl]},
-                errors={"top-1 agreement": [(e.low, e.high) for e in top1], "KL (nats)": [(e.low, e.high) for e in kl]},
-                notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
-                ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
-                title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
+    if reference in data.systems and others and data.has("fid_top1"):
+        top1 = [data.fidelity(s, "fid_top1", units) for s in others]
+        kl = [data.fidelity(s, "fid_kl", units) for s in others]
+        summary.image("png_fidelity", plots.bar_plot(
+            out_dir / plot_name.replace("retention", "fidelity"), others,
+            {"top-1 agreement": [e.value for e in top1], "KL (nats)": [e.value for e in kl]},
+            errors={"top-1 agreement": [(e.low, e.high) for e in top1], "KL (nats)": [(e.low, e.high) for e in kl]},
+            notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
+            ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
+            title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
 
 
 def write_cells_summary(cfg, cells, metrics: list[dict], rows_by_cell: dict[str, list[dict]], out_dir) -> dict:

@@ -51,16 +51,32 @@ def _finite(v) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, *,
-              dashed: Series | None = None, dashed_label: str = "analytic (dashed)", logx: bool = False,
-              logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
-              hline: float | None = None, colours: Mapping[str, str] | None = None) -> str:
+def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, **kwargs) -> str:
     """One line per label (markers at the points, error bars from `errors`); `dashed` adds reference lines (e.g.
     analytic bounds) in the colour of the solid series of the same label, drawn under it with a wider dash so
     both stay visible; `band` = (label, value, low, high) draws a horizontal line with its shaded interval (a
     reference system's score); `hline` a thin line (y = 1 on ratio plots)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    _lines(ax, series, xlabel, ylabel, title, **kwargs)
+    return _save(fig, path)
+
+
+def line_panels(path: Path, panels: Sequence[dict], xlabel: str, title: str) -> str:
+    """Side-by-side line plots sharing x (each panel: series, ylabel, title and line_plot's keyword options)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        panel = dict(panel)
+        _lines(ax, panel.pop("series"), xlabel, panel.pop("ylabel"), panel.pop("title"), **panel)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def _lines(ax, series: Series, xlabel: str, ylabel: str, title: str, *,
+           dashed: Series | None = None, dashed_label: str = "analytic (dashed)", logx: bool = False,
+           logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
+           hline: float | None = None, colours: Mapping[str, str] | None = None) -> None:
     pick = (lambda label: (colours or {}).get(label) or colour(label))
     for label, pts in (dashed or {}).items():
         pts = sorted((x, y) for x, y in pts if _finite(y))
@@ -96,11 +112,10 @@ def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, 
         ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7, ncol=2, loc="best")
-    return _save(fig, path)
 
 
 def _draw_heatmap(ax, values, row_labels, col_labels, vmin, vmax, cmap, digits, notes=None):

@@ -155,3 +155,30 @@ def test_cuda_op_set_ranks_pages_with_the_devices_scorer():
     from systems.engine.ops import load_ops
     ops = load_ops("cuda")
     assert ops.top_pages.keywords["scorer"] is ops.page_scores is triton_scoring.page_scores
+
+
+@pytest.mark.parametrize("device_ops", ["torch", "cpu"])
+def test_per_query_head_pages_attend_only_to_their_own_set(device_ops):
+    """Quest's official path: each query head of a group attends to its own pages; the grouped pools are shared
+    (the table row is repeated per query head, never the K/V)."""
+    from systems.engine.ops import cpu_kernels, torch_attention
+    if device_ops == "cpu" and not cpu_kernels.available():
+        pytest.skip("no C++ compiler")
+    ops = cpu_kernels if device_ops == "cpu" else torch_attention
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, D, P, M = 2, 6, 2, 16, 4, 6
+    G = Hq // Hkv
+    k_pool, v_pool = torch.randn(1 + B * Hkv * M, P, D, generator=g), torch.randn(1 + B * Hkv * M, P, D, generator=g)
+    table = (torch.arange(B * Hkv * M) + 1).view(B, Hkv, M).to(torch.int32)
+    counts = torch.full((B, Hkv), M * P - 2, dtype=torch.int32)
+    q = torch.randn(B, Hq, D, generator=g)
+    sel = torch.stack([torch.randperm(M, generator=g)[:3] for _ in range(B * Hq)]).view(B, Hq, 3)
+    out = ops.sparse_decode_attention(q, k_pool, v_pool, table.repeat_interleave(G, 1),
+                                      counts.repeat_interleave(G, 1), sel, D ** -0.5)
+    for b in range(B):
+        for h in range(Hq):
+            kvh, pages = h // G, sorted(sel[b, h].tolist())
+            keys = torch.cat([k_pool[table[b, kvh, p]][:min(P, int(counts[b, kvh]) - p * P)] for p in pages])
+            vals = torch.cat([v_pool[table[b, kvh, p]][:min(P, int(counts[b, kvh]) - p * P)] for p in pages])
+            want = torch.softmax(keys @ q[b, h] * D ** -0.5, -1) @ vals
+            torch.testing.assert_close(out[b, h], want, rtol=1e-5, atol=1e-5)

@@ -109,3 +109,26 @@ def test_decode_microbench_end_to_end(tiny_llama_dir, tmp_path):
     assert float(by[("engine-dense", "2")]["pages_read_per_head_step"]) == 17.0     # ceil(256 + 5 tokens / 16)
     assert float(by[("engine-quest", "2")]["pages_read_per_head_step"]) == 4.0      # budget 64 = 4 pages
     assert "stability-aware is" in md
+
+
+def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("ruler", tiny_llama_dir, tmp_path, "exp.systems=[dense,streaming]",
+                             "exp.params.budget=64", "exp.params.task_params.ruler.tasks=[niah_single_1,vt]",
+                             "exp.params.task_params.ruler.lengths=[1024,1280]",
+                             "exp.params.task_params.ruler.num_samples=2", "model.max_input_tokens=1500")
+    assert "RULER average per length" in md and "engine-streaming: RULER table" in md
+    assert {"ruler_heatmap.png", "retention_vs_length.png"} <= set(pngs)
+    cells = [r for r in rows if r["task"] == "vt" and r["system"] == "engine-dense"]
+    assert sorted(r["length"] for r in cells) == ["1024", "1280"] and all(r["n"] == "2" for r in cells)
+    avg = [r for r in rows if r["task"] == "AVERAGE" and r["system"] == "engine-streaming" and r["length"] == "all"]
+    assert avg and avg[0]["score_n"] == "8"
+
+
+def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
+    _, md, rows, pngs = _run("budget_sweep", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest,streaming]",
+                             "exp.tasks=[needlebench_srt]", "exp.params.budgets=[32,64]", "exp.params.contexts={}",
+                             f"exp.params.task_params={{{SRT}}}")
+    assert "score_vs_budget.png" in pngs and "Score, retention and fidelity per policy and budget" in md
+    means = {(r["system"], r["budget"]) for r in rows if r["task"] == "MEAN"}
+    assert means == {("engine-quest", "32"), ("engine-quest", "64"), ("engine-streaming", "32"),
+                     ("engine-streaming", "64"), ("engine-dense", "")}

@@ -151,3 +151,16 @@ def test_ledger_mirrors_keep_and_drop_on_the_kv_view():
             c = int(counts[0, h])
             assert torch.equal(gk[0, h, :c, 0].long(), pos[0, h, :c])
             assert torch.equal(ledger.score[1, 0, h, :c], pos[0, h, :c].float() * 10)
+
+
+def test_gqa_pool_orders_differ_under_max_pooling_and_match_their_definitions():
+    torch.manual_seed(3)
+    attn = torch.rand(6, 4, 40).softmax(-1)                 # [Hq, S_w, n]: 6 query heads in 2 groups
+    a = ind.window_indicator(attn, 2, "sum", kernel=5, pooling="maxpool", gqa_pool="pool_then_group")
+    b = ind.window_indicator(attn, 2, "sum", kernel=5, pooling="maxpool", gqa_pool="group_then_pool")
+    s = attn.sum(1)[:, :36]
+    torch.testing.assert_close(a, ind.pool1d(s, 5, "maxpool").view(2, 3, 36).mean(1))
+    torch.testing.assert_close(b, ind.pool1d(s.view(2, 3, 36).mean(1), 5, "maxpool"))
+    assert not torch.allclose(a, b)
+    with pytest.raises(ValueError, match="gqa_pool"):
+        ind.window_indicator(attn, 2, "sum", gqa_pool="sideways")

@@ -73,8 +73,9 @@ def test_budget_at_least_context_gives_exactly_dense(tiny_dir, name, params):
     assert seqs[0].kv_stats["policy"] == name
 
 
-def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir):
-    policy = load_policy("quest", dict(budget=3 * P, page_size=P, skip_layers=1))
+@pytest.mark.parametrize("granularity", ["query_head", "kv_head"])
+def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granularity):
+    policy = load_policy("quest", dict(budget=3 * P, page_size=P, skip_layers=1, granularity=granularity))
     engine = _engine(tiny_dir, policy)
     seen = []
     select = policy.select_pages
@@ -88,23 +89,34 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir):
     counted, reset = {}, policy.reset
 
     def reset_spy(slot):
-        counted[slot] = policy._pages_read[slot] if hasattr(policy, "_pages_read") else 0
+        counted[slot] = (policy._pages_read[slot] + int(policy._union_read[slot])) if hasattr(
+            policy, "_pages_read") else 0
         reset(slot)
     policy.reset = reset_spy
     _generate(engine, _prompts([50, 31]), max_new=6)
-    read = {}
+    read, per_head_sets = {}, 0
     for layer, slots, chosen, num_pages in seen:
-        per_row = num_pages.sum(-1) if chosen is None else (chosen >= 0).sum((-1, -2))
+        if chosen is None:
+            per_row = num_pages.sum(-1)
+        else:                                   # a KV head reads the union of its query heads' sets
+            group = chosen.shape[1] // num_pages.shape[1]
+            union = selection.as_mask(chosen.reshape(len(slots), num_pages.shape[1], -1), int(num_pages.max()))
+            per_row = union.sum((-1, -2))
+            per_head_sets += int(group > 1 and bool((chosen.view(len(slots), -1, group, 3).sort(-1).values
+                                                     != chosen.view(len(slots), -1, group, 3)[:, :, :1]
+                                                     .sort(-1).values).any()))
         for slot, n in zip(slots, per_row.tolist()):
             read[slot] = read.get(slot, 0) + n
         if layer < 1:
             assert chosen is None
             continue
-        assert chosen is not None and chosen.shape[-1] == 3
-        last = (num_pages - 1).unsqueeze(-1)
+        heads = 4 if granularity == "query_head" else 2                  # the tiny model: 4 query / 2 KV heads
+        assert chosen is not None and chosen.shape[1:] == (heads, 3)
+        last = (num_pages - 1).repeat_interleave(heads // 2, 1).unsqueeze(-1)
         assert bool((chosen == last).any(-1).all())                    # the last page is always read
-    # the host-side counters behind kv_stats' mean_pages_read count exactly the pages the engine was told to read
+    # the counters behind kv_stats' mean_pages_read count exactly the pages the engine read
     assert {s: counted[s] for s in read} == read
+    assert (per_head_sets > 0) == (granularity == "query_head")     # query heads of a group choose differently
 
 
 def _analytic_blocks(policy, pages):

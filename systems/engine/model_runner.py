@@ -65,8 +65,13 @@ class ModelRunner:
                 table, counts = kv.decode_tables(slots, layer)
                 out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
             else:
-                out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table[slots, layer],
-                                                  kv.num_tokens[slots, layer], selected, kv.scale)
+                table, counts = kv.block_table[slots, layer], kv.num_tokens[slots, layer]
+                if selected.shape[1] != table.shape[1]:
+                    # per-query-head page sets: each query head gets its KV head's table row and reads only its
+                    # own pages (a group of one), from the same grouped K/V pools
+                    group = selected.shape[1] // table.shape[1]
+                    table, counts = table.repeat_interleave(group, 1), counts.repeat_interleave(group, 1)
+                out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, selected, kv.scale)
             policy.after_append(kv, step)
             return out
 

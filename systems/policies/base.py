@@ -28,7 +28,9 @@ through the view's methods, which keep the free lists, MinMax cache and byte cou
 Rules: GQA stays grouped (never store K/V per query head); savings must be physical (drop or offload through the
 view so blocks are freed); a policy never imports engine modules; per-sequence state is keyed by slot and cleared in
 `reset`. Selecting pages: `select_pages` returns logical page indices [B, Hkv, K] (entries < 0 are padding, no
-duplicates, at least one page per row, every selected page resident); the engine reads only those pages. Returning
+duplicates, at least one page per row, every selected page resident); the engine reads only those pages. It may
+instead return [B, Hq, K], one page set per query head (row h belongs to KV head h // G): each query head then
+attends to its own pages only, and what the KV head reads from memory is the union of its group's sets. Returning
 None means "all of the head's pages", which requires every page 0 .. ceil(num_tokens/P)-1 to be resident.
 """
 from __future__ import annotations

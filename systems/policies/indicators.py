@@ -69,10 +69,16 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, window: int, scale: float
     return logits.softmax(-1)
 
 
+GQA_POOLS = ("pool_then_group", "group_then_pool")
+
+
 def window_indicator(attn: torch.Tensor, num_kv_heads: int, kind: str = "mean_plus_var", gamma: float = 200.0,
-                     kernel: int = 5, pooling: str = "avgpool", aggregation: str = "mean") -> torch.Tensor:
+                     kernel: int = 5, pooling: str = "avgpool", aggregation: str = "mean",
+                     gqa_pool: str = "pool_then_group") -> torch.Tensor:
     """Per-KV-head scores [Hkv, n - S_w] of the prefix keys from window attention [Hq, S_w, n]: reduce over the window
-    queries (`kind`), drop the window's own columns, pool per query head, aggregate over the GQA group.
+    queries (`kind`), drop the window's own columns, then pool per query head and aggregate over the GQA group
+    (`pool_then_group`, the order of codes that pool each query head), or aggregate first and pool the KV head's
+    scores (`group_then_pool`, KVCache-Factory's per-KV-head mode); with max pooling the two differ.
 
     kinds: mean_plus_var = mean + gamma * var (CAKE, gamma 200); mean; var; mean_times_var = mean * var (CAKE T3);
     sum (SnapKV: the window queries' attention summed). Variance is unbiased across the window queries, as torch.var.
@@ -94,6 +100,9 @@ def window_indicator(attn: torch.Tensor, num_kv_heads: int, kind: str = "mean_pl
         else:
             raise ValueError(f"indicator={kind!r} is not supported; use one of {list(WINDOW_INDICATORS)}")
     s = s[:, :attn.shape[2] - w]
+    if gqa_pool == "group_then_pool":
+        return pool1d(group_reduce(s, num_kv_heads, aggregation), kernel, pooling)
+    check_choice("gqa_pool", gqa_pool, GQA_POOLS)
     return group_reduce(pool1d(s, kernel, pooling), num_kv_heads, aggregation)
 
 

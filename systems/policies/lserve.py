@@ -1,13 +1,15 @@
 """LServe-style: streaming KV heads keep sink + local pages only, retrieval heads read Quest-selected 64-token pages.
 
-Follows mit-han-lab/omniserve (methods.md §11). Storage pages are the engine's 16-token pages (LServe's logical
+Follows mit-han-lab/omniserve. Storage pages are the engine's 16-token pages (LServe's logical
 pages); a physical page of 64 tokens is a selection unit of 4 adjacent logical pages, scoring the max of theirs.
 Retrieval heads: every page while the sequence holds <= budget tokens, else the top k - 1 physical pages among all
 but the most recent one plus that one, k = min(max(3, budget // 64), pages); the choice is recomputed when
 seq_len % reuse_interval == 0 (or on a head's first sparse step) and reused otherwise, always with the current
 last physical page. Streaming heads keep pages 0 .. sink/16 - 1 and the last local/16 + 1 pages (the partial page
 counted, as `dec_local_block = 256/64 + 1`); every other page's device block is freed after prefill and as the
-window slides, and never read again.
+window slides, and never read again. Granularity `query_head` (default) is omniserve's selector, which writes its
+statistics per (batch, query head): every query head of a retrieval KV head chooses its own pages and attends to
+them alone; `kv_head` chooses once per KV head with the bound maxed over the group.
 
 Head split: DuoAttention gates are not available for every model, so the project profiles a proxy (see
 harness/experiments/head_stability.py): per KV head, the share of decode attention mass that falls outside the
@@ -39,6 +41,7 @@ class LServe(Policy):
     profile_task: str = "needlebench_mrt"
     profile: str | None = None      # explicit profile file (overrides profile_model / profile_task)
     streaming_heads: list | None = None   # explicit [[layer, head], ...] (overrides any profile)
+    granularity: str = "query_head"       # query_head (omniserve's per-(batch, query head) selector) | kv_head
 
     name = "lserve"
 
@@ -50,6 +53,8 @@ class LServe(Policy):
         if self.budget <= 0 or self.budget % self.physical_page:
             raise ValueError(f"lserve: budget must be a positive multiple of physical_page={self.physical_page}, "
                              f"got {self.budget}")
+        if self.granularity not in ("query_head", "kv_head"):
+            raise ValueError(f"lserve: granularity must be query_head or kv_head, got {self.granularity!r}")
         if not 0.0 <= self.sparsity <= 1.0 or self.reuse_interval < 1:
             raise ValueError(f"lserve: need 0 <= sparsity <= 1 and reuse_interval >= 1, got {self.sparsity}, "
                              f"{self.reuse_interval}")
@@ -70,10 +75,15 @@ class LServe(Policy):
         for layer, head in self._streaming_list(kv):
             self.streaming[layer, head] = True
         self._streaming_dev = self.streaming.to(kv.device)
+        # selection units: every query head (each with its own choice) or every KV head (one choice per group)
+        self._group = kv.num_q_heads // kv.num_kv_heads if self.granularity == "query_head" else 1
+        self._unit_streaming = self._streaming_dev.repeat_interleave(self._group, dim=1)      # [L, units]
+        self._unit_kv = torch.arange(kv.num_kv_heads, device=kv.device).repeat_interleave(self._group)
         self.sub = self.physical_page // self.page_size
         self.sink_pages, self.local_pages = self.sink_tokens // self.page_size, self.local_tokens // self.page_size
         slots, phys = kv.block_table.shape[0], -(-kv.max_pages // self.sub)
-        self._chosen = torch.zeros(slots, kv.num_layers, kv.num_kv_heads, phys, dtype=torch.bool, device=kv.device)
+        self._chosen = torch.zeros(slots, kv.num_layers, kv.num_kv_heads * self._group, phys, dtype=torch.bool,
+                                   device=kv.device)
         self._has_choice = torch.zeros(slots, kv.num_layers, dtype=torch.bool, device=kv.device)
 
     def _streaming_list(self, kv: KVView) -> list[tuple[int, int]]:
@@ -123,27 +133,28 @@ class LServe(Policy):
 
     # ---- selection -------------------------------------------------------------------------------------------------
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
-        layer, slots = step.layer, step.slots
-        counts = kv.num_tokens[slots, layer]
-        num_pages = selection.pages_of(counts, kv.page_size)                                  # [B, Hkv]
+        layer, slots, G = step.layer, step.slots, self._group
+        counts = kv.num_tokens[slots, layer].repeat_interleave(G, 1)                           # [B, units]
+        num_pages = selection.pages_of(counts, kv.page_size)
         width = int(num_pages.max())
         valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
-        read = (kv.block_table[slots, layer, :, :width] != 0) & valid   # streaming heads: what they still hold
-        heads = (~self._streaming_dev[layer]).nonzero().view(-1)
-        sparse = counts[:, heads] > self.budget                         # [B, r] retrieval heads past the budget
-        if heads.numel() and bool(sparse.any()):
-            self._refresh(kv, step, heads, num_pages, width)
+        # streaming heads read what they still hold (sink + local window)
+        read = (kv.block_table[slots, layer, :, :width] != 0).repeat_interleave(G, 1) & valid
+        units = (~self._unit_streaming[layer]).nonzero().view(-1)
+        sparse = counts[:, units] > self.budget                         # [B, r] retrieval units past the budget
+        if units.numel() and bool(sparse.any()):
+            self._refresh(kv, step, units, num_pages, width)
             wp = -(-width // self.sub)
-            phys = self._chosen[slots, layer][:, heads, :wp].clone()                           # [B, r, wp]
-            last_phys = (num_pages[:, heads] - 1) // self.sub
+            phys = self._chosen[slots, layer][:, units, :wp].clone()                           # [B, r, wp]
+            last_phys = (num_pages[:, units] - 1) // self.sub
             phys.scatter_(-1, last_phys.unsqueeze(-1), True)
-            logical = phys.repeat_interleave(self.sub, dim=-1)[..., :width] & valid[:, heads]
-            read[:, heads] = torch.where(sparse.unsqueeze(-1), logical, read[:, heads])
+            logical = phys.repeat_interleave(self.sub, dim=-1)[..., :width] & valid[:, units]
+            read[:, units] = torch.where(sparse.unsqueeze(-1), logical, read[:, units])
         if bool((read == valid).all()):
             return None
-        return selection.compact(read)
+        return selection.compact(read)      # [B, Hq, K] per query head, [B, Hkv, K] per KV head
 
-    def _refresh(self, kv: KVView, step: DecodeStep, heads, num_pages, width) -> None:
+    def _refresh(self, kv: KVView, step: DecodeStep, units, num_pages, width) -> None:
         """Recompute the physical-page choice of the rows whose reuse period is over."""
         layer = step.layer
         due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]
@@ -152,20 +163,24 @@ class LServe(Policy):
         if not rows:
             return
         r = torch.tensor(rows, device=kv.device)
-        G = kv.num_q_heads // kv.num_kv_heads
-        q = step.q[r].view(len(rows), kv.num_kv_heads, G, -1)[:, heads].reshape(len(rows), -1, kv.head_dim)
-        s, h = step.slots[r].view(-1, 1), heads.view(1, -1)
-        n_log = num_pages[r][:, heads]
-        scores = selection.page_scores(q, kv.kmin[s, layer, h, :width], kv.kmax[s, layer, h, :width], n_log)
+        s, u = step.slots[r].view(-1, 1), units.view(1, -1)
+        heads = self._unit_kv[units].view(1, -1)                        # the KV head each unit reads
+        if self._group > 1:             # each query head scores with its own query (a group of one)
+            q = step.q[r][:, units]
+        else:                           # a KV head scores with the max over its query group
+            G = kv.num_q_heads // kv.num_kv_heads
+            q = step.q[r].view(len(rows), kv.num_kv_heads, G, -1)[:, units].reshape(len(rows), -1, kv.head_dim)
+        n_log = num_pages[r][:, units]
+        scores = selection.page_scores(q, kv.kmin[s, layer, heads, :width], kv.kmax[s, layer, heads, :width], n_log)
         wp = -(-width // self.sub)
         pad = wp * self.sub - width
         phys = torch.nn.functional.pad(scores, (0, pad), value=float("-inf")).view(*scores.shape[:2], wp, self.sub)
         n_phys = -(-n_log // self.sub)
         k = max(3, self.budget // self.physical_page)
         chosen = selection.topk_with_last(phys.amax(-1), n_phys, k)
-        mask = torch.zeros(len(rows), heads.numel(), self._chosen.shape[-1], dtype=torch.bool, device=kv.device)
+        mask = torch.zeros(len(rows), units.numel(), self._chosen.shape[-1], dtype=torch.bool, device=kv.device)
         mask[..., :wp] = selection.as_mask(chosen, wp)
-        self._chosen[s, layer, h] = mask
+        self._chosen[s, layer, u] = mask
         self._has_choice[step.slots[r], layer] = True
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:

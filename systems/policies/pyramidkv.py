@@ -4,7 +4,8 @@ Budget formula and regimes of `PyramidKVCluster` (Zefan-Cai/KVCache-Factory `pyr
 `allocation.pyramid_budgets`: n < C no compression; n < 2 (C - S_w) the uniform SnapKV budget; otherwise the pyramid
 with beta 20, layer l keeping max_num - l * steps prefix tokens plus the S_w window. Defaults are the official
 LongBench runner's (`run_longbench.py`: S_w 8, kernel 7, max pooling, C 512; the class defaults are 64 / 320 / 5 /
-avg). Prefill only; per KV head with a named GQA aggregation (the runner's default granularity is per query head).
+avg). Prefill only; per KV head with a named GQA aggregation (the runner's default granularity is per query head),
+the group's scores averaged before pooling as KVCache-Factory's per-KV-head mode does (`gqa_pool`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class PyramidKV(SnapKV):
     kernel: int = 7
     pooling: str = "maxpool"
     aggregation: str = "mean"
+    gqa_pool: str = "group_then_pool"   # KVCache-Factory's per-KV-head mode: average the group, then pool
     beta: int = 20              # min_num = (C - S_w) // beta
 
     def __post_init__(self):

@@ -6,7 +6,8 @@ C - S_w, window appended; no compression when n < C. Defaults are the official L
 (`ablation_c1024_w32_k7_maxpool.json`: S_w 32, kernel 7, max pooling, C 1024; the class defaults are 64 / 320 / 5 /
 avg). Prefill only, as the official: decode tokens are appended without limit (report the realized count).
 GQA: the official selects per query head after `repeat_kv` (G x the KV memory); here each KV head selects once from
-its group's pooled scores reduced with `aggregation` (mean, as kvpress).
+its group's scores reduced with `aggregation` (mean, as kvpress), each query head pooled before the reduction
+(`gqa_pool: pool_then_group`, the official's per-head pooling; `group_then_pool` is KVCache-Factory's order).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class SnapKV(Policy):
     kernel: int = 7
     pooling: str = "maxpool"    # maxpool | avgpool
     aggregation: str = "mean"   # over the GQA group: mean | max | sum
+    gqa_pool: str = "pool_then_group"   # pool each query head, then aggregate (the official pools per query head)
 
     def __post_init__(self):
         if self.window < 1 or self.budget <= self.window:
@@ -37,6 +39,7 @@ class SnapKV(Policy):
             raise ValueError(f"{self.name}: kernel must be >= 1, got {self.kernel}")
         ind.check_choice("pooling", self.pooling, ind.POOLINGS)
         ind.check_choice("aggregation", self.aggregation, ind.AGGREGATIONS)
+        ind.check_choice("gqa_pool", self.gqa_pool, ind.GQA_POOLS)
 
     def layer_budgets(self, n: int) -> list[int] | None:
         """Non-window tokens each layer keeps for a prompt of n tokens; None = no compression."""
@@ -58,13 +61,14 @@ class SnapKV(Policy):
             return
         attn = ind.window_attention(q, k, self.window, kv.scale)
         scores = ind.window_indicator(attn, kv.num_kv_heads, "sum", kernel=self.kernel, pooling=self.pooling,
-                                      aggregation=self.aggregation)
+                                      aggregation=self.aggregation, gqa_pool=self.gqa_pool)
         kv.keep_tokens(seq.slot, layer, ind.top_keep(scores, budgets[layer], self.window, n))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         budgets = self.layer_budgets(seq.prefill_len)
         return {**super().kv_stats(kv, seq), "budget_tokens_per_layer": self.budget, "window": self.window,
                 "window_counted": True, "prefill_only": True, "aggregation": self.aggregation,
+                "gqa_pool": self.gqa_pool,
                 "layer_budgets": budgets if budgets is not None else []}
 
 

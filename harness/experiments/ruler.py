@@ -1,0 +1,139 @@
+"""RULER: every system on RULER's tasks and lengths; RULER's table per system and retention vs the reference.
+
+Cells are ordinary accuracy cells (one per system × RULER task config), run through accuracy.run_cells with
+teacher-forced fidelity. The summary reports what RULER's README table reports — the per-task score at each length,
+the per-length average over tasks, and the average over lengths — with 95 % bootstrap intervals, plus each policy's
+retention vs the reference per length (ratio of the length averages, paired over samples) and the macro retention
+over task × length units with its supported ranking.
+
+exp.params: budget (shared token budget, applied by the runner), reference (default engine-dense),
+min_reference_score, fidelity, task_params (as accuracy_retention), size_reason (why the grid is this size).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from harness import accuracy_report, plots
+from harness import uncertainty as unc
+from harness.accuracy_report import AccuracyData
+from harness.experiments import accuracy
+from harness.experiments.accuracy_retention import with_task_params
+from harness.runner import Cell, UserError
+from harness.store import Cell as StoreCell
+from harness.summary import Summary, print_paths
+from harness.uncertainty import Estimate
+
+SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
+
+
+def task_length(task: str, row: dict) -> str:
+    """RULER's unit: one task at one length."""
+    return f"{row['meta']['ruler_task']}@{row['meta']['length']}"
+
+
+def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
+    bad = sorted({c.task.name for c in cells if c.task.family != "ruler"})
+    if bad:
+        raise UserError(f"the ruler experiment takes RULER tasks only; remove {bad} from exp.tasks")
+    cells = with_task_params(cfg, cells)
+    labels = [c.system.name for c in cells]
+    reference = accuracy_report.reference_label(cfg, labels) or labels[0]
+    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
+    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
+    print_paths(write_summary(cfg, cells, metrics, rows_by_cell, out_dir))
+    return metrics
+
+
+def _grid(data: AccuracyData) -> tuple[list[str], list[int]]:
+    pairs = [u.split("@") for u in data.units]
+    return list(dict.fromkeys(t for t, _ in pairs)), sorted({int(L) for _, L in pairs})
+
+
+def length_average(data: AccuracyData, system: str, units: Sequence[str]) -> Estimate:
+    """Unweighted mean over the units (RULER tasks at one length, or every task × length) of their mean scores."""
+    vectors = [data.vectors([system], u)[0][0] for u in units if data.n(system, u)]
+    if not vectors or len(vectors) < len(units):
+        return unc.NAN
+    point, low, high = unc.stratified([(v,) for v in vectors], lambda us: np.mean([u[0].mean(-1) for u in us], 0))
+    return Estimate(point, low, high, sum(len(v) for v in vectors))
+
+
+def average_ratio(data: AccuracyData, system: str, reference: str, units: Sequence[str]) -> Estimate:
+    """Policy's length average ÷ the reference's, resampled jointly over the samples both ran."""
+    pairs = [data.vectors([system, reference], u)[0] for u in units]
+    pairs = [(p, r) for p, r in pairs if p]
+    if len(pairs) < len(units):
+        return unc.NAN
+    point, low, high = unc.stratified(pairs, lambda us: np.mean([p.mean(-1) for p, _ in us], 0)
+                                      / np.mean([r.mean(-1) for _, r in us], 0))
+    return Estimate(point, low, high, sum(len(p) for p, _ in pairs))
+
+
+def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dict, out_dir: Path) -> dict[str, str]:
+    params = OmegaConf.to_container(cfg.exp.params, resolve=True)
+    labels = [c.system.name for c in cells]
+    reference = params.get("reference") or accuracy_report.reference_label(cfg, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell, float(params.get("min_reference_score", 5.0)),
+                        unit_of=task_length)
+    tasks, lengths = _grid(data)
+    at = {L: [f"{t}@{L}" for t in tasks] for L in lengths}
+    avg = {s: {**{L: length_average(data, s, at[L]) for L in lengths},
+               "all": length_average(data, s, data.units)} for s in data.systems}
+    others = [s for s in data.systems if s != reference]
+    ratio = {s: {**{L: average_ratio(data, s, reference, at[L]) for L in lengths},
+                 "all": average_ratio(data, s, reference, data.units)} for s in others}
+    budget = params.get("budget")
+    summary = Summary(cfg)
+    bullets = [f"RULER average ({len(tasks)} tasks × {len(lengths)} lengths, 0–100): "
+               + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
+    if others:
+        bullets.append(f"macro retention vs `{reference}` over task × length units"
+                       + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)}")
+    if data.has("fid_top1"):
+        bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
+    summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
+                   "at this n.", bullets)
+    if params.get("size_reason"):
+        summary.text(f"**Why this size:** {params['size_reason']}")
+    summary.section("RULER average per length (mean over tasks, 0–100, 95 % CI)").table(
+        ["system", *[f"{L}" for L in lengths], "average", "n"],
+        [[s, *[avg[s][L].fmt(1, with_n=False) for L in lengths], avg[s]["all"].fmt(1, with_n=False),
+          avg[s]["all"].n] for s in data.systems])
+    if others:
+        summary.section(f"Retention per length: average ÷ `{reference}`'s on the same samples (95 % CI)").table(
+            ["system", *[f"{L}" for L in lengths], "all lengths"],
+            [[s, *[ratio[s][L].fmt(2, with_n=False) for L in lengths], ratio[s]["all"].fmt(2)] for s in others])
+    summary.csv([{"system": s, "task": "AVERAGE", "length": L, **avg[s][L].as_dict("score_"),
+                  **(ratio[s][L].as_dict("retention_") if s in ratio else {})}
+                 for s in data.systems for L in [*lengths, "all"]])
+    panels = []
+    for s in data.systems:
+        values = [[data.score(s, f"{t}@{L}").value if data.n(s, f"{t}@{L}") else math.nan for L in lengths]
+                  for t in tasks]
+        summary.section(f"{s}: RULER table (score per task and length, 0–100)").table(
+            ["task", *[f"{L}" for L in lengths], "mean"],
+            [[t, *row, float(np.nanmean(row)) if any(math.isfinite(v) for v in row) else math.nan]
+             for t, row in zip(tasks, values)]
+            + [["average", *[avg[s][L].value for L in lengths], avg[s]["all"].value]], 1)
+        panels.append((s, values, tasks, [str(L) for L in lengths]))
+        summary.csv([{"system": s, "task": t, "length": L, "score": v, "n": data.n(s, f"{t}@{L}")}
+                     for t, row in zip(tasks, values) for L, v in zip(lengths, row)])
+    summary.image("png_heatmap", plots.heatmap_grid(
+        out_dir / "ruler_heatmap.png", panels, xlabel="length (tokens)", ylabel="RULER task",
+        colorbar="score (0–100)", title=f"RULER score per task × length (n per cell "
+                                        f"{min(data.n(reference, u) for u in data.units)})", ncols=3), "RULER heatmap")
+    if others:
+        summary.image("png_retention_length", plots.line_plot(
+            out_dir / "retention_vs_length.png", {s: [(L, ratio[s][L].value) for L in lengths] for s in others},
+            "length (tokens)", f"RULER average ÷ {reference} (95 % CI)", "Retention vs context length",
+            errors={s: [(L, ratio[s][L].low, ratio[s][L].high) for L in lengths] for s in others}, logx=True,
+            hline=1.0), "retention vs length")
+    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False)
+    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+                 "generation + fidelity, every cell")
+    return summary.write(out_dir)
