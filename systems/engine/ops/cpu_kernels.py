@@ -1,4 +1,4 @@
-"""The CPU path's fused kernels (cpu_attention.cpp, cpu_scoring.cpp), built once per machine on first use."""
+"""The CPU path's fused kernels (cpu_attention.cpp, cpu_scoring.cpp), built once per checkout on first use."""
 from __future__ import annotations
 
 import hashlib
@@ -18,17 +18,61 @@ HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_a
 MAX_PAGE, MAX_GROUP = 256, 16
 
 
+BUILD_WAIT_S = float(os.environ.get("KVHARNESS_BUILD_WAIT_S", "600"))
+
+
+def build_dir() -> Path:
+    """One build folder per checkout and torch version (another clone's build never blocks or replaces this one's):
+    $KVHARNESS_CACHE/torch_extensions/<hash of this source folder and torch's version>."""
+    cache = Path(os.environ.get("KVHARNESS_CACHE", Path.home() / ".cache" / "kvharness"))
+    key = hashlib.sha1(f"{Path(__file__).resolve().parent}|{torch.__version__}".encode()).hexdigest()[:12]
+    return cache / "torch_extensions" / key
+
+
 def _build() -> bool:
-    """Compile and register torch.ops.kvharness_cpu (cached under TORCH_EXTENSIONS_DIR, ~20 s the first time)."""
+    """Compile and register torch.ops.kvharness_cpu under build_dir() (~20 s the first time).
+
+    torch's own build lock is a plain file: a process killed while holding it (even when the .so is built, Ctrl-C
+    at start-up is enough) leaves it behind and every later build waits forever. So builds are serialized by an
+    flock on our own lock file, which the kernel releases when its holder dies; whoever holds it removes torch's
+    leftover lock, which then can only be stale. A waiter says why it waits, and gives up after BUILD_WAIT_S with
+    the torch path."""
+    import fcntl
+    import time
+
     from torch.utils.cpp_extension import load
 
-    # -march=native is safe: the build cache lives on the machine that runs it, keyed by source and flags.
-    # -fopenmp makes at::parallel_for use torch's own OpenMP pool (the same libgomp.so.1 is already loaded).
-    # torch keys its build cache on the sources and flags only, so the shared header's hash goes into the flags
-    header = hashlib.sha1(_SOURCES[0].with_name("cpu_common.h").read_bytes()).hexdigest()[:12]
-    load(name="kvharness_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVH_COMMON_H={header}"], extra_ldflags=["-fopenmp"],
-         verbose=False)
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "kvharness.lock", "a+") as handle:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > BUILD_WAIT_S:
+                    raise TimeoutError(f"another process held {folder / 'kvharness.lock'} for {waited:.0f} s")
+                if not told and waited > 2:
+                    handle.seek(0)
+                    owner = handle.read().strip() or "unknown"
+                    print(f"[kernels] waiting for process {owner} to finish building the CPU kernels in {folder}",
+                          flush=True)
+                    told = True
+                time.sleep(0.5)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        (folder / "lock").unlink(missing_ok=True)       # torch's baton: stale, since we hold the flock
+        # -march=native is safe: the build folder lives on the machine that runs it.
+        # -fopenmp makes at::parallel_for use torch's own OpenMP pool (the same libgomp.so.1 is already loaded).
+        # torch keys its build cache on the sources and flags only, so the shared header's hash goes into the flags
+        header = hashlib.sha1(_SOURCES[0].with_name("cpu_common.h").read_bytes()).hexdigest()[:12]
+        load(name="kvharness_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVH_COMMON_H={header}"],
+             extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     return hasattr(torch.ops.kvharness_cpu, "decode_attention") and hasattr(torch.ops.kvharness_cpu, "resident_pages")
 
 
