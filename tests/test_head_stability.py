@@ -46,18 +46,19 @@ def _trace(steps, jumpy_head, K=2, pages=8, seed=0):
     sets = torch.tensor([0, 1], dtype=torch.int16).repeat(steps, 2, 2, 1)
     for t in range(steps):
         sets[t, jumpy_head[0], jumpy_head[1]] = torch.randperm(pages, generator=g)[:K].to(torch.int16)
-    return {"sets": sets, "num_candidates": torch.full((steps,), pages),
+    return {"sets": sets, "num_pages": torch.full((steps,), pages),
             "outside_mass": torch.tensor([[0.1, 0.9], [0.2, 0.8]]).expand(steps, 2, 2)}
 
 
 def test_analyse_finds_the_jumpy_head_on_hand_made_traces():
     knobs = {**head_stability.DEFAULTS, "top_k": 2, "window": 3, "unstable_count": 1}
-    result = head_stability.analyse([_trace(9, (1, 0)), _trace(7, (1, 0), seed=1)], knobs, 2, 2)
+    result = head_stability.analyse([_trace(12, (1, 0)), _trace(9, (1, 0), seed=1)], knobs, 2, 2)
     assert result["unstable_heads"] == [[1, 0]]
-    assert result["windows"] == 3 + 2
+    assert result["windows"] == 4 + 3
     stats = {(s["layer"], s["head"]): s for s in result["head_stats"]}
     assert stats[(0, 0)]["ts_mean"] == 1.0 and stats[(1, 0)]["ts_mean"] < 1.0
-    assert stats[(1, 0)]["bottom_frequency"] == 5 and stats[(1, 0)]["unstable"]
+    assert stats[(1, 0)]["bottom_frequency"] == 7 and stats[(1, 0)]["unstable"]
+    assert result["consensus_recall"] == 1.0                          # the half-split recall of the jumpy head
     assert result["promoted_share_stable"] == 0.0                     # stable heads never change their set
     assert torch.allclose(torch.tensor(result["outside_mass"]), torch.tensor([[0.1, 0.9], [0.2, 0.8]]))
 
@@ -75,7 +76,7 @@ def test_end_to_end_profile_feeds_flexicache(tiny_llama_dir, tmp_path):
                   "name": "tiny"},
         "exp": {"name": "hs", "kind": "head_stability", "systems": ["dense"],
                 "tasks": ["needlebench_srt", "needlebench_mrt"],
-                "params": {"top_k": 4, "window": 4, "decode_steps": 8, "sink_tokens": 16, "local_tokens": 32,
+                "params": {"top_k": 4, "window": 4, "decode_steps": 12, "sink_tokens": 16, "local_tokens": 32,
                            "task_overrides": {"params": {"lengths": [300], "depths": [50]}, "limit": 1}}},
         "results_dir": str(tmp_path), "progress": False}))
     torch.set_num_threads(1)

@@ -126,8 +126,15 @@ def test_unstable_by_frequency_and_consensus():
     heads, freq = selection.unstable_by_frequency(ts, 2)
     assert freq.tolist() == [0, 4, 2, 2]
     assert heads == [1, 2]                                            # 2 and 3 tie on frequency; 2 has lower mean TS
-    recall, baseline = selection.consensus_recall(ts, 2)
-    assert 0.0 <= recall <= 1.0 and baseline == 0.5
+    chosen, recall, baseline = selection.consensus_split(ts, 2)
+    assert 0.0 <= recall <= 1.0 and baseline == 0.5 and len(chosen) == 2
+    # the final set comes from the seed-43 first half of the windows, recall from the other half
+    perm = torch.randperm(4, generator=torch.Generator().manual_seed(43))
+    assert chosen == selection.unstable_by_frequency(ts[perm[:2]], 2)[0]
+    expected = selection.bottom_sets(ts[perm[2:]], 2)[:, chosen].sum(-1).double().mean().item() / 2
+    assert recall == pytest.approx(expected)
+    with pytest.raises(ValueError, match="two complete stability windows"):
+        selection.consensus_split(ts[:1], 2)
     with pytest.raises(ValueError, match="no complete stability window"):
         selection.unstable_by_frequency(torch.full((2, 3), torch.nan), 1)
 

@@ -71,7 +71,7 @@ def analyse(traces: list[dict], k: dict, num_layers: int, num_kv_heads: int) -> 
     ts_all, promoted = [], []
     for tr in traces:
         sets = tr["sets"].long().view(-1, H, K)
-        n = tr["num_candidates"]
+        n = tr["num_pages"]
         ts_all.append(selection.temporal_stability(sets, n, K, W))
         # a stable head's rerank every W steps promotes the pages new in its top-K
         starts = torch.arange(0, sets.shape[0] - W, W)
@@ -82,9 +82,11 @@ def analyse(traces: list[dict], k: dict, num_layers: int, num_kv_heads: int) -> 
     rco_by_offset = rco_offsets(traces, H, K, W)
     ts = torch.cat(ts_all) if ts_all else torch.empty(0, H, dtype=torch.float64)
     count = k["unstable_count"] or int(math.floor(k["unstable_fraction"] * H + 0.5))
-    heads, freq = selection.unstable_by_frequency(ts, count)
+    # the official final set: most frequent in the bottom share on a random half of the windows, whose recall of
+    # the other half's bottom sets is the consensus check
+    heads, recall, baseline = selection.consensus_split(ts, count)
+    _, freq = selection.unstable_by_frequency(ts, count)
     valid = ts[~torch.isnan(ts).any(-1)]
-    recall, baseline = selection.consensus_recall(ts, count)
     unstable = torch.zeros(H, dtype=torch.bool)
     unstable[heads] = True
     share = torch.stack(promoted) if promoted else torch.empty(0, H, dtype=torch.float64)
@@ -113,7 +115,7 @@ def rco_offsets(traces: list[dict], H: int, K: int, W: int) -> list[list[float]]
     counts = torch.zeros(W - 1, H, dtype=torch.float64)
     for tr in traces:
         sets = tr["sets"].long().view(-1, H, K)
-        n = tr["num_candidates"]
+        n = tr["num_pages"]
         for s in range(0, sets.shape[0] - W + 1, W):
             for d in range(1, W):
                 M = int(n[s + d])

@@ -11,10 +11,10 @@ window slides, and never read again. Granularity `query_head` (default) is omnis
 statistics per (batch, query head): every query head of a retrieval KV head chooses its own pages and attends to
 them alone; `kv_head` chooses once per KV head with the bound maxed over the group.
 
-Head split: DuoAttention gates are not available for every model, so the project profiles a proxy (see
-harness/experiments/head_stability.py): per KV head, the share of decode attention mass that falls outside the
-sink + local window (max over the head's query group, mean over steps) on profiling samples; high = retrieval. As
-in LServe, a global quantile at `sparsity` (tiny seeded noise breaks ties) splits the heads.
+Head split: per KV head a score, high = retrieval head, from a profile. LServe takes DuoAttention's learned gates
+(`+exp=duo_attention` trains them on this model: profile task `duo_attention`); the project's proxy (the share of
+decode attention mass outside the sink + local window, harness/experiments/head_stability.py) is the other option.
+As in LServe, a global quantile at `sparsity` (tiny seeded noise breaks ties) splits the heads.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class LServe(Policy):
     reuse_interval: int = 4         # selector_update_interval
     sparsity: float = 0.5           # --static-sparsity: share of KV heads that stream
     profile_model: str = "smollm2-135m-instruct"
-    profile_task: str = "needlebench_mrt"
+    profile_task: str = "needlebench_mrt"   # a head_stability task (the proxy) | duo_attention (learned gates)
     profile: str | None = None      # explicit profile file (overrides profile_model / profile_task)
     streaming_heads: list | None = None   # explicit [[layer, head], ...] (overrides any profile)
     granularity: str = "query_head"       # query_head (omniserve's per-(batch, query head) selector) | kv_head

@@ -155,15 +155,18 @@ def unstable_by_frequency(ts: torch.Tensor, count: int) -> tuple[list[int], torc
     return sorted(rank[:count]), freq
 
 
-def consensus_recall(ts: torch.Tensor, count: int, seed: int = 43) -> tuple[float, float]:
-    """FlexiCache's consensus check: shuffle the windows (seed 43), take the top heads by frequency on one half and
-    measure their recall of each window's bottom set on the other half; returns (recall, random baseline)."""
+def consensus_split(ts: torch.Tensor, count: int, seed: int = 43) -> tuple[list[int], float, float]:
+    """FlexiCache's final unstable set (TopK-Analysis/analyze_head_stability.py): shuffle the windows (seed 43),
+    take the `count` heads most often in a window's bottom set on the first half, and measure their recall of each
+    window's bottom set on the second half. Returns (heads ascending, recall, random baseline count / heads)."""
     valid = ts[~torch.isnan(ts).any(-1)]
+    baseline = count / ts.shape[1]
     if valid.shape[0] < 2:
-        return float("nan"), count / ts.shape[1]
+        raise ValueError("need at least two complete stability windows: decode longer (>= 2 W steps) or profile "
+                         "more samples")
     perm = torch.randperm(valid.shape[0], generator=torch.Generator().manual_seed(seed))
     half = valid.shape[0] // 2
     first, second = valid[perm[:half]], valid[perm[half:]]
     chosen, _ = unstable_by_frequency(first, count)
     hits = bottom_sets(second, count)[:, chosen].sum(-1).double() / count
-    return float(hits.mean()), count / ts.shape[1]
+    return chosen, float(hits.mean()), baseline

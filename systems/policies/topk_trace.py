@@ -4,8 +4,10 @@ Per step and (layer, KV head): the top-K page set under Quest scoring (FlexiCach
 share of attention mass outside the sink + local window (the project's proxy for LServe's streaming heads).
 
 Nothing is evicted or skipped: select_pages returns None, so the output is the dense output. The top-K set is
-chosen among every page but the last (partial) one, as FlexiCache's runtime ranks its stable heads. Finished traces
-wait in `finished[request_id]` for the profiler (harness/experiments/head_stability.py) to collect.
+chosen among every page but the last (partial) one, as FlexiCache's runtime ranks its stable heads; `num_pages`
+records N_t, every page the head holds at step t (the partial one included), the N of FlexiCache's random-corrected
+overlap (TopK-Analysis: ceil((prompt + t) / page_size)). Finished traces wait in `finished[request_id]` for the
+profiler (harness/experiments/head_stability.py) to collect.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class TopKTrace(Policy):
             if layer == 0:
                 live["sets"].append(torch.full((self.num_layers, self.num_kv_heads, self.top_k), selection.PAD,
                                                dtype=torch.int16))
-                live["pages"].append(int(num_pages[b, 0]) - 1)        # candidates: every page but the last
+                live["pages"].append(int(num_pages[b, 0]))            # N_t: every page, the partial one too
                 live["mass"].append(torch.full((self.num_layers, self.num_kv_heads), float("nan")))
             live["sets"][-1][layer] = top[b].cpu()
             if mass is not None:
@@ -76,7 +78,7 @@ class TopKTrace(Policy):
         steps = len(live["sets"])
         if steps:
             self.finished[seq.request_id] = {
-                "sets": torch.stack(live["sets"]), "num_candidates": torch.tensor(live["pages"]),
+                "sets": torch.stack(live["sets"]), "num_pages": torch.tensor(live["pages"]),
                 "outside_mass": torch.stack(live["mass"])}
         stats = super().kv_stats(kv, seq)
         stats.update(trace_steps=steps, top_k=self.top_k)

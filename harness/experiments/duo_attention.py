@@ -1,0 +1,220 @@
+"""DuoAttention-style gates for LServe's head split: one learned gate per KV head, written as an LServe profile.
+
+The method (mit-han-lab/duo-attention, duo_attn/train.py): the frozen model runs every attention head as a mix of
+full and streaming (sink + recent) attention, `(1 − α) · streaming + α · full` per query head before o_proj, with
+α a trainable gate per KV head shared by its query group, clamped to [0, 1] and initialised at 1. The full-attention
+term is the teacher's: a full-attention forward of the same input. Only the gates learn, to keep the student's
+final hidden states (after the last RMSNorm) close to the teacher's at the answer positions of synthetic
+multi-passkey retrieval samples (mean over positions of the mean squared error over hidden dims), plus 0.05 × the
+mean gate (an L1 push toward streaming). AdamW, lr 0.02, no weight decay; LambdaLR with a linear warm-up over the
+first N/5 steps and a linear decay over the last N/5, floored at 0.1; gates clamped before every step.
+Samples (duo_attn/data.py): passkeys of NATO-alphabet words, "Remeber this sequence of words, it's the {ordinal}
+passkey to the vault: " at sorted random depths in 5–95 % of a haystack, the book prompt, and the QA block (every
+question with its passkey) as the loss span; haystack lengths on a linspace.
+Scaled to 2 CPU cores (each a recorded parameter): haystacks from the installed essays instead of BookSum, shorter
+contexts and passkeys, fewer steps, a fixed pool of samples whose teacher states (per-layer full-attention outputs
+and final hidden states) are computed once, and fp32 gates and model. The streaming window is the one LServe's
+streaming heads use (sink 128 + local 256). The gates become LServe's `head_scores`; LServe streams the heads below
+its sparsity quantile, as DuoAttention and LServe split them.
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from harness.envinfo import env_record
+from harness.runner import Cell, UserError, dump_yaml
+from harness.store import Cell as StoreCell
+from harness.summary import Summary, print_paths
+from systems.policies import profiles
+from tasks import ruler_data
+
+NATO = ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa quebec "
+        "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"]
+NEEDLE = "Remeber this sequence of words, it's the {ordinal} passkey to the vault: "
+QUESTION = "Based on the content of the book, what is the {ordinal} passkey to the vault?\nPasskey: "
+PROMPT1, PROMPT2 = "<|im_start|> This is a very long story book: <book> ", " </book>.\n\n"
+DEFAULTS = {"steps": 150, "lr": 0.02, "reg_weight": 0.05, "sink_tokens": 128, "recent_tokens": 256,
+            "context_min": 1000, "context_max": 1792, "lengths": 8, "pool": 16, "passkeys": 5, "passkey_words": 16,
+            "sparsity": 0.5, "seed": 42, "ship": False, "profile_task": "duo_attention"}
+
+
+def sample_ids(tokenizer, haystack: list[int], length: int, p: dict, rng: random.Random) -> tuple[list[int], slice]:
+    """One multi-passkey sample: token ids and the slice of the QA block (the loss span)."""
+    keys = [" ".join(rng.choice(NATO) for _ in range(p["passkey_words"])) for _ in range(p["passkeys"])]
+    depths = sorted(rng.sample([0.05 + 0.9 * i / 999 for i in range(1000)], p["passkeys"]))
+    context = haystack[:length]
+    for k in reversed(range(p["passkeys"])):          # deepest first: the shallower offsets stay valid
+        at = int(length * depths[k])                  # a position in the haystack itself
+        needle = tokenizer.encode("\n\n" + NEEDLE.format(ordinal=ORDINALS[k]) + keys[k] + "\n\n",
+                                  add_special_tokens=False)
+        context = context[:at] + needle + context[at:]
+    head = tokenizer.encode(PROMPT1, add_special_tokens=True) + context
+    head += tokenizer.encode(PROMPT2, add_special_tokens=False)
+    qa = tokenizer.encode("".join(QUESTION.format(ordinal=ORDINALS[k]) + keys[k] + "\n\n"
+                                  for k in range(p["passkeys"])), add_special_tokens=False)
+    return head + qa, slice(len(head), len(head) + len(qa))
+
+
+def streaming_mask(n: int, sink: int, recent: int) -> torch.Tensor:
+    """Token-exact streaming attention (DuoAttention's sdpa path): key j visible to query i iff j <= i and
+    (j < sink or i - j < recent)."""
+    i = torch.arange(n).view(-1, 1)
+    j = torch.arange(n).view(1, -1)
+    return (j <= i) & ((j < sink) | (i - j < recent))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D]; causal when mask is None (GQA stays grouped)."""
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def teacher(model, ids: torch.Tensor, scale: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The full-attention outputs of every layer (pre-o_proj) and the final hidden states."""
+    outs: list[torch.Tensor] = []
+
+    def attend(layer, q, k, v):
+        o = attention(q, k, v, scale, None)
+        outs.append(o.detach())
+        return o
+    with torch.no_grad():
+        hidden = model.forward(ids, torch.arange(len(ids)), attend)
+    return outs, hidden.detach()
+
+
+def student(model, ids: torch.Tensor, gates: torch.Tensor, full: list[torch.Tensor], mask: torch.Tensor,
+            scale: float, group: int) -> torch.Tensor:
+    def attend(layer, q, k, v):
+        stream = attention(q, k, v, scale, mask)
+        alpha = gates[layer].clamp(0, 1).repeat_interleave(group).view(1, -1, 1)       # a KV head's gate, per group
+        return (1 - alpha) * stream + alpha * full[layer]
+    return model.forward(ids, torch.arange(len(ids)), attend)
+
+
+def lr_factor(step: int, total: int) -> float:
+    ramp = max(1, total // 5)
+    return min(1.0, max((step + 1) / ramp, 0.1), max((total - step) / ramp, 0.1))
+
+
+def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
+    p = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
+    unknown = sorted(set(p) - set(DEFAULTS))
+    if unknown:
+        raise UserError(f"exp.params: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
+    if p["context_min"] <= p["sink_tokens"] + p["recent_tokens"]:
+        raise UserError("exp.params.context_min must exceed sink_tokens + recent_tokens: the streaming branch "
+                        "would still see the needles")
+    from transformers import AutoTokenizer
+
+    from harness.assets import model_dir as resolve_model_dir
+    from systems.engine.models.llama import LlamaModel
+
+    model_dir = resolve_model_dir(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaModel(model_dir, torch.float32, torch.device("cpu"))
+    spec = model.spec
+    store = StoreCell(out_dir / f"duo_gates__{cfg.model.name}__steps{p['steps']}")
+    config = OmegaConf.create({"model": cfg.model, "exp": cfg.exp, "seed": cfg.seed, "gates": p})
+    if store.is_complete(dump_yaml(config)):
+        return _finish(cfg, store.metrics(), p, out_dir, spec)
+    store.open(dump_yaml(config), env_record(cfg.seed))
+    rng = random.Random(p["seed"])
+    haystack = tokenizer.encode(" ".join(ruler_data.essay_words()), add_special_tokens=False)
+    lengths = [int(p["context_min"] + i * (p["context_max"] - p["context_min"]) / max(1, p["lengths"] - 1))
+               for i in range(p["lengths"])]
+    scale = spec.head_dim ** -0.5
+    group = spec.num_q_heads // spec.num_kv_heads
+    started = time.perf_counter()
+    pool = []
+    for i in range(p["pool"]):
+        ids, span = sample_ids(tokenizer, haystack, lengths[i % len(lengths)], p, rng)
+        x = torch.tensor(ids)
+        full, final = teacher(model, x, scale)
+        pool.append((x, span, full, final[span], streaming_mask(len(ids), p["sink_tokens"], p["recent_tokens"])))
+    teacher_s = time.perf_counter() - started
+    gates = torch.nn.Parameter(torch.ones(spec.num_layers, spec.num_kv_heads))
+    optimizer = torch.optim.AdamW([gates], lr=p["lr"], weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, p["steps"]))
+    history, order = [], []
+    for step in range(p["steps"]):
+        if not order:
+            order = list(range(len(pool)))
+            rng.shuffle(order)
+        x, span, full, target, mask = pool[order.pop()]
+        with torch.no_grad():
+            gates.clamp_(0, 1)
+        hidden = student(model, x, gates, full, mask, scale, group)[span]
+        distill = (hidden - target).pow(2).mean(-1).mean()
+        loss = distill + p["reg_weight"] * gates.clamp(0, 1).abs().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        history.append({"step": step, "distill": float(distill), "mean_gate": float(gates.clamp(0, 1).mean())})
+    with torch.no_grad():
+        gates.clamp_(0, 1)
+    metrics = {"gates": gates.detach().tolist(), "history": history, "teacher_seconds": teacher_s,
+               "train_seconds": time.perf_counter() - started - teacher_s, "lengths": lengths,
+               "sample_tokens": [len(x) for x, *_ in pool]}
+    store.write_metrics(metrics)
+    return _finish(cfg, metrics, p, out_dir, spec)
+
+
+def _finish(cfg, metrics: dict, p: dict, out_dir: Path, spec) -> dict:
+    profile = {"kind": "lserve", "model": cfg.model.name, "task": p["profile_task"],
+               "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_scores": metrics["gates"],
+               "proxy": "DuoAttention gates: per KV head, the learned weight of full over streaming attention "
+                        f"(sink {p['sink_tokens']} + recent {p['recent_tokens']}); high = retrieval head",
+               "training": {k: p[k] for k in DEFAULTS if k not in ("ship", "profile_task")},
+               "train_seconds": metrics["train_seconds"], "teacher_seconds": metrics["teacher_seconds"]}
+    profiles.save_profile(out_dir / "profile_lserve.json", profile)
+    if p["ship"]:
+        profiles.save_profile(profiles.profile_path("lserve", cfg.model.name, p["profile_task"]), profile)
+    print_paths(write_summary(cfg, metrics, p, out_dir))
+    return metrics
+
+
+def write_summary(cfg, metrics: dict, p: dict, out_dir: Path) -> dict[str, str]:
+    from harness import plots
+    from systems.policies.lserve import streaming_split
+
+    gates = torch.tensor(metrics["gates"])
+    streaming = streaming_split(gates, p["sparsity"])
+    per_layer = [sum(1 for layer, _ in streaming if layer == i) for i in range(gates.shape[0])]
+    hist = metrics["history"]
+    summary = Summary(cfg)
+    summary.glance(f"{gates.numel()} gates trained for {p['steps']} steps in {metrics['train_seconds'] / 60:.0f} min "
+                   f"(+ {metrics['teacher_seconds'] / 60:.1f} min of teacher states); mean gate "
+                   f"{float(gates.mean()):.2f}, {int((gates < 0.01).sum())} below 0.01 and "
+                   f"{int((gates > 0.99).sum())} above 0.99; at sparsity {p['sparsity']} LServe streams "
+                   f"{len(streaming)} heads; distillation loss {hist[0]['distill']:.4f} → {hist[-1]['distill']:.4f}.")
+    summary.section("Training settings (DuoAttention's, scaled to 2 CPU cores)").table(
+        ["setting", "value"], [[k, str(p[k])] for k in DEFAULTS if k != "ship"]
+        + [["haystack lengths (tokens)", ", ".join(map(str, metrics["lengths"]))],
+           ["sample tokens (pool)", f"{min(metrics['sample_tokens'])}–{max(metrics['sample_tokens'])}"]])
+    summary.section("Gates per layer (KV heads) and LServe's streaming heads").table(
+        ["layer", *[f"head {h}" for h in range(gates.shape[1])], "streaming heads"],
+        [[i, *[f"{float(g):.3f}" for g in row], per_layer[i]] for i, row in enumerate(gates)])
+    summary.image("png_gates", plots.heatmap(
+        out_dir / "gates.png", gates.T.tolist(), [f"KV head {h}" for h in range(gates.shape[1])],
+        list(range(gates.shape[0])), xlabel="layer", ylabel="KV head", title="DuoAttention gates (1 = full)",
+        colorbar="gate α", vmin=0.0, vmax=1.0, digits=2, cmap="viridis"), "gates")
+    summary.image("png_loss", plots.line_plot(
+        out_dir / "training.png", {"distillation loss": [(h["step"], h["distill"]) for h in hist],
+                                   "mean gate": [(h["step"], h["mean_gate"]) for h in hist]},
+        "step", "value", "Gate training", logy=True), "training")
+    summary.csv([{"layer": i, "head": h, "gate": float(gates[i, h]), "streaming": (i, h) in streaming}
+                 for i in range(gates.shape[0]) for h in range(gates.shape[1])])
+    summary.took(metrics["train_seconds"] + metrics["teacher_seconds"], "teacher states + training")
+    return summary.write(out_dir)
+
