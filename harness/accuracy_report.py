@@ -31,7 +31,7 @@ UNIT_KEYS = ("unit", "dataset", "task")
 
 def reference_label(cfg, labels: Sequence[str]) -> str | None:
     """exp.params.reference, else engine-dense when it is in the grid, else None (no retention)."""
-    ref = cfg.exp.params.get("reference")
+    ref = cfg.exp.params.get("reference") if cfg is not None else None
     if ref:
         return ref
     return "engine-dense" if "engine-dense" in labels else None
@@ -329,14 +329,14 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
             title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
 
 
-def write_cells_summary(cfg, cells, metrics: list[dict], rows_by_cell: dict[str, list[dict]], out_dir) -> dict:
+def write_cells_summary(cfg, p, cells, labels, metrics: list[dict], rows_by_cell: dict[str, list[dict]],
+                        out_dir) -> dict:
     """The `accuracy` kind: any grid of cells, with retention and fidelity against a reference when there is one."""
-    from harness.summary import Summary
+    from harness.summary import Summary, cell_envs
 
-    labels = [c.system.name for c in cells]
-    reference = reference_label(cfg, labels)
-    data = AccuracyData(cells, labels, rows_by_cell)
-    summary = Summary(cfg)
+    reference = p.reference or reference_label(None, labels)
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
+    summary = Summary(cfg, envs=cell_envs(metrics))
     if reference in data.systems and len(data.systems) > 1:
         summary.glance(f"macro retention vs `{reference}`: {data.ranking(reference)}.")
     else:

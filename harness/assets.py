@@ -144,6 +144,13 @@ def prepare(progress: bool = True) -> Path:
     return out
 
 
+def known_model_dir(path: str | None = None) -> Path | None:
+    """The model folder when it is there already (the embedded one converted, or an explicit path with a
+    config.json), without preparing anything; None otherwise. Enough to read the model's dimensions."""
+    folder = Path(path).expanduser() if path else cache_root() / MODEL_NAME
+    return folder if (folder / "config.json").is_file() else None
+
+
 def model_dir(path: str | None = None) -> Path:
     """A model folder for configs: an explicit local path (checked), else the embedded checkpoint."""
     if path is None:

@@ -93,7 +93,10 @@ def machine_class(env: dict | None = None) -> str:
 
 
 def env_record(seed: int, command: list[str] | None = None) -> dict:
-    return {**static_env(), "seed": seed, "command": command if command is not None else sys.argv}
+    from harness.report import command_line
+
+    return {**static_env(), "seed": seed, "command": command if command is not None else sys.argv,
+            "command_line": command_line()}
 
 
 def code_identity(env: dict) -> tuple:

@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # comes after them, described by the first comment line of conf/exp/<name>.yaml.
 SECTIONS = {
     "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
-    "retrieval_budgets": "FlexiCache, Quest and LServe-style S-RT retention at budgets 256 / 512 / 1,024 (issue 4)",
+    "budget_sweep": "score and retention vs token budget per policy (FlexiCache F4/F5, CAKE F3 style)",
+    "retrieval_budgets": "FlexiCache, Quest and LServe-style S-RT retention at budgets 256 / 512 / 1,024",
+    "ruler": "RULER's 13 tasks per context length, dense vs each policy",
     "needlebench": "S-RT / M-RT / M-RS scores and length × depth heatmaps per system (CAKE F6)",
-    "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (issue 3's 16 × (4000 in + "
-                          "256 out) target)",
+    "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (16 × (4000 in + 256 out))",
     "online_sweep": "TTFT / TPOT vs Poisson request rate over HTTP (FlexiCache F6)",
     "decode_microbench": "per-layer decode latency, dense vs sparse and stability-aware vs naive (FlexiCache F7/F8)",
     "memory": "device-tier KV per request vs length with the analytic bound (FlexiCache F9) and CAKE prefill peak "
@@ -30,6 +31,7 @@ SECTIONS = {
     "head_stability": "FlexiCache head profiling: RCO vs offset, unstable sets, cross-task overlap, promoted share "
                       "(F1, T1, T7)",
     "cake_ablation": "CAKE allocation × indicator and τ sweep (CAKE T2, T3, F8, F13)",
+    "duo_attention": "DuoAttention-style gate training that picks LServe's streaming heads",
 }
 EXTRA_LINKS = {"profile.md": "where the engine's time goes"}
 RESULTS_INTRO = ("Every number below is from a real run on this project's 2-core CPU machine with "

@@ -27,21 +27,37 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int =
     return "\n".join(lines)
 
 
-def command_line(cfg) -> str:
-    """The command that regenerates this result (the one that made it)."""
-    args = [a for a in sys.argv[1:] if not a.startswith("hydra.")]
-    return "python -m harness " + " ".join(args) if args else f"python -m harness +exp={cfg.exp.name}"
+def command_line(cfg=None) -> str:
+    """The user's command that regenerates this result: Hydra's overrides of this job (so a multirun or Ray worker
+    records the user's arguments, not its own argv), else this process's harness arguments."""
+    args = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        args = list(HydraConfig.get().overrides.task)
+    except (ValueError, ImportError):
+        if sys.argv and Path(sys.argv[0]).parent.name == "harness":
+            args = sys.argv[1:]
+    if args is None:
+        return f"python -m harness +exp={cfg.exp.name}" if cfg is not None else "python -m harness"
+    args = [a for a in args if not a.startswith(("hydra.", "hydra/"))]
+    return "python -m harness " + " ".join(args) if args else "python -m harness"
 
 
-def provenance(cfg) -> str:
-    env = static_env()
-    cmd = command_line(cfg)
-    dirty = " (dirty tree)" if env.get("git_dirty") else ""
-    code = f", code `{env['code_hash']}`" if env.get("code_hash") else ""
-    return (f"Made by `{cmd}` at git `{(env.get('git_sha') or 'unknown')[:10]}`{dirty}{code} on {env['cpu']} "
-            f"({env['cpu_count']} cores, GPU: {env['gpu'] or 'none'}), torch {env['packages'].get('torch')}, "
-            f"transformers {env['packages'].get('transformers')}. Per-cell config.yaml and env.json sit beside "
-            "this file (git-ignored raw runs).")
+def provenance(cfg, envs: Sequence[dict] | None = None) -> str:
+    """How the numbers were made: the cells' git sha, code hash, CPU and versions (this process's when no cell
+    records are given)."""
+    envs = [e for e in (envs or []) if e] or [static_env()]
+    env = envs[0]
+    made = sorted({(e.get("git_sha") or "unknown")[:10] + ("*" if e.get("git_dirty") else "") for e in envs})
+    codes = sorted({str(e.get("code_hash")) for e in envs})
+    commands = sorted({e.get("command_line") for e in envs if e.get("command_line")})
+    cmd = commands[0] if commands else command_line(cfg)
+    mixed = " — cells from more than one code version: rerun to make them agree" if len(codes) > 1 else ""
+    return (f"Made by `{cmd}` at git {', '.join(f'`{m}`' for m in made)} (* = uncommitted changes), code "
+            f"{', '.join(f'`{c}`' for c in codes)}{mixed}, on {env.get('cpu')} ({env.get('cpu_count')} cores, GPU: "
+            f"{env.get('gpu') or 'none'}), torch {(env.get('packages') or {}).get('torch')}, transformers "
+            f"{(env.get('packages') or {}).get('transformers')}. Per-cell config.yaml and env.json sit beside this "
+            "file (git-ignored raw runs).")
 
 
 def reference_system(cfg, cells) -> str:
@@ -116,3 +132,45 @@ def to_csv(rows: list[dict]) -> str:
     w.writeheader()
     w.writerows(rows)
     return buf.getvalue()
+
+
+def summarize_from_disk(overrides: Sequence[str], same_code: bool = False) -> dict[str, str]:
+    """Rebuild an experiment's summary from the cells in its results folder (nothing runs): the grid is resolved
+    from the same config a run would use; cells made by any code version are read, and the summary says which."""
+    from hydra import compose, initialize_config_dir
+
+    from harness.runner import CONF_DIR, experiment_module, pin_dtype, resolve_cells
+    from harness.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    pin_dtype(cfg)
+    module = experiment_module(cfg.exp.kind)
+    if not hasattr(module, "summarize"):
+        raise SystemExit(f"exp.kind {cfg.exp.kind!r} has no summary to rebuild")
+    out_dir = Path(cfg.results_dir) / cfg.exp.name
+    return module.summarize(cfg, resolve_cells(cfg), out_dir, same_code=same_code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    from harness.runner import USER_ERRORS
+
+    ap = argparse.ArgumentParser(prog="python -m harness.report",
+                                 description="Rebuild results/<exp>/summary.{md,csv} and its plots from the cells on "
+                                             "disk; runs no model.")
+    ap.add_argument("exp", help="experiment name (conf/exp/<exp>.yaml)")
+    ap.add_argument("overrides", nargs="*", help="the same key=value overrides the run used")
+    args = ap.parse_args(argv)
+    try:
+        summarize_from_disk([f"+exp={args.exp}", *args.overrides])
+    except USER_ERRORS as exc:
+        print(f"error: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

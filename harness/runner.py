@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from harness.assets import AssetError
 from harness.schema import SystemConfig, TaskConfig
-from systems.registry import SystemConfigError, check_system
+from systems.registry import SystemConfigError, check_dims, check_system, policy_class
 from tasks.base import TaskError, load_task
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -38,7 +38,7 @@ def load_group(group: str, name: str, schema: type) -> DictConfig:
 
 
 @dataclass
-class Cell:
+class GridCell:
     """One (system, task) pair of an experiment, with the fully resolved config that makes it."""
 
     system: DictConfig
@@ -73,12 +73,12 @@ def cell_key(system: DictConfig, task: DictConfig, sys_default: DictConfig, task
 
 def kind_defaults(kind: str) -> dict | None:
     """An experiment kind's SYSTEM_DEFAULTS (e.g. batch-invariant decoding for accuracy kinds), if it has any."""
-    if importlib.util.find_spec(f"harness.experiments.{kind}") is None:
+    if not kind.isidentifier() or importlib.util.find_spec(f"harness.experiments.{kind}") is None:
         return None
     return getattr(importlib.import_module(f"harness.experiments.{kind}"), "SYSTEM_DEFAULTS", None)
 
 
-def resolve_cells(cfg: DictConfig) -> list[Cell]:
+def resolve_cells(cfg: DictConfig) -> list[GridCell]:
     """The experiment's system × task grid. The kind's SYSTEM_DEFAULTS replace values still at the schema's default
     on every engine system; exp.params.system_overrides come after them and can set anything."""
     system_defaults = kind_defaults(cfg.exp.kind)
@@ -107,7 +107,7 @@ def resolve_cells(cfg: DictConfig) -> list[Cell]:
             system = copy.deepcopy(s)
             key = cell_key(system, t, sd, td)  # the held-out task is the cell's own task: already in the key
             hold_out(system, t.name)
-            cells.append(Cell(system, t, key))
+            cells.append(GridCell(system, t, key))
     return cells
 
 
@@ -122,30 +122,19 @@ def apply_defaults(node: DictConfig, defaults: dict, schema: Any = None) -> None
 
 
 def hold_out(system: DictConfig, task_name: str) -> None:
-    """Leave-one-out for profiled policies: a task is never evaluated with a profile made on itself."""
-    if system.backend != "engine":
-        return
-    try:
-        policy = importlib.import_module(f"systems.policies.{system.policy}").POLICY
-    except (ModuleNotFoundError, AttributeError):
-        return
-    if "heldout_task" in {f.name for f in dataclasses.fields(policy)} and system.params.get("heldout_task") is None:
-        system.params["heldout_task"] = task_name
+    """The policy's rule for evaluating a task (FlexiCache: never with a profile made on that task)."""
+    policy = policy_class(system.policy) if system.backend == "engine" else None
+    if policy is not None:
+        params = OmegaConf.to_container(system.params, resolve=True)
+        system.params = policy.with_heldout_task(params, task_name)
 
 
 def apply_budget(system: DictConfig, budget: int) -> None:
-    """A shared budget (tokens) for every engine policy that has one; dense systems are left as they are."""
-    if system.backend != "engine":
-        return
-    try:
-        policy = importlib.import_module(f"systems.policies.{system.policy}").POLICY
-    except (ModuleNotFoundError, AttributeError):
-        return  # check_system reports the unknown policy
-    fields = {f.name for f in dataclasses.fields(policy)}
-    if "budget" in fields:
-        system.params["budget"] = budget
-        if "recent_size" in fields:
-            system.params["recent_size"] = None  # H2O: heavy and recent halves of the shared budget
+    """A shared budget (tokens) for every engine policy that has one, mapped by the policy; dense systems are left as
+    they are."""
+    policy = policy_class(system.policy) if system.backend == "engine" else None
+    if policy is not None and policy.has_budget():        # an unknown policy is reported by check_system
+        system.params = policy.with_budget(OmegaConf.to_container(system.params, resolve=True), budget)
 
 
 def _default_or_self(group: str, choice: str | None, schema: type, current: DictConfig) -> DictConfig:
@@ -183,7 +172,8 @@ def check_no_extra_keys(node: Any, path: str = "") -> None:
 
 
 def check_budget(system: DictConfig, model: DictConfig) -> None:
-    """Budget semantics every policy shares: positive, within the context, whole pages where pages are the unit."""
+    """Budget semantics every policy shares: positive and within the context (each policy checks the rest against
+    the engine's page size when it is configured)."""
     params = system.params
     if "budget" not in params or params["budget"] is None:
         return
@@ -193,27 +183,36 @@ def check_budget(system: DictConfig, model: DictConfig) -> None:
     if budget > model.max_model_len:
         raise UserError(f"system {system.name!r}: params.budget={budget} exceeds the context "
                         f"(model.max_model_len={model.max_model_len}); lower the budget")
-    page = params.get("page_size")
-    if page is not None:
-        if page != system.engine.page_size:
-            raise UserError(f"system {system.name!r}: params.page_size={page} but engine.page_size="
-                            f"{system.engine.page_size}; set them equal")
-        if budget % page:
-            raise UserError(f"system {system.name!r}: page_size={page} does not divide budget={budget}; use a budget "
-                            f"that is a multiple of {page} (e.g. {budget - budget % page or page})")
 
 
-def validate(cfg: DictConfig, cells: list[Cell]) -> None:
-    """Everything checkable without loading a model, so a typo costs a second, not an hour."""
-    check_no_extra_keys(cfg)
-    if importlib.util.find_spec(f"harness.experiments.{cfg.exp.kind}") is None:
+
+def experiment_module(kind: str):
+    """harness.experiments.<kind>, or a one-line error listing the kinds."""
+    if not kind.isidentifier() or importlib.util.find_spec(f"harness.experiments.{kind}") is None:
         kinds = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("[a-z]*.py"))
-        raise UserError(f"unknown exp.kind {cfg.exp.kind!r}; choose one of {kinds} (harness/experiments/)")
+        raise UserError(f"unknown exp.kind {kind!r}; choose one of {kinds} (harness/experiments/)")
+    return importlib.import_module(f"harness.experiments.{kind}")
+
+
+def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
+    """Everything checkable without loading a model, so a typo costs a second, not an hour."""
+    from harness import params
+
+    check_no_extra_keys(cfg)
+    try:
+        params.parse(cfg, params.schema_of(experiment_module(cfg.exp.kind)))
+    except params.ParamsError as exc:
+        raise UserError(str(exc)) from None
     if not cells:
         raise UserError("the experiment has no cells: set exp.systems and exp.tasks")
+    from harness.assets import known_model_dir
+
+    model_folder = known_model_dir(cfg.model.path)      # dims without preparing: a missing model is checked later
     for cell in cells:
         check_budget(cell.system, cfg.model)
         check_system(cell.system)
+        if model_folder is not None:
+            check_dims(cell.system, model_folder, cfg.model.max_model_len)
         t = cell.task
         load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
                   fraction=t.fraction)
@@ -234,10 +233,7 @@ def pin_dtype(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> Any:
     try:
         pin_dtype(cfg)
-        if importlib.util.find_spec(f"harness.experiments.{cfg.exp.kind}") is None:
-            kinds = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("[a-z]*.py"))
-            raise UserError(f"unknown exp.kind {cfg.exp.kind!r}; choose one of {kinds} (harness/experiments/)")
-        experiment = importlib.import_module(f"harness.experiments.{cfg.exp.kind}")
+        experiment = experiment_module(cfg.exp.kind)
         cells = resolve_cells(cfg)
         validate(cfg, cells)
         out_dir = Path(cfg.results_dir) / cfg.exp.name

@@ -47,8 +47,8 @@ def _cell_config(config_yaml: str) -> Any:
     return {k: v for k, v in conf.items() if k != "exp"} if isinstance(conf, dict) else conf
 
 
-class Cell:
-    """One (system, task, ...) cell's folder."""
+class CellStore:
+    """One cell's folder: its predictions, metrics, resolved config and environment record."""
 
     def __init__(self, root: Path):
         self.root = Path(root)

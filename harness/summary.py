@@ -17,8 +17,11 @@ from systems.hardware import dtype_name
 
 
 class Summary:
-    def __init__(self, cfg, title: str | None = None):
+    def __init__(self, cfg, title: str | None = None, envs: list[dict] | None = None):
+        """`envs`: the env.json records of the cells the numbers come from (their commands, commits and machine
+        make the footer); default: this process's."""
         self.cfg = cfg
+        self.envs = [e for e in (envs or []) if e]
         self.title = title or cfg.exp.name
         self.glance_text: str | None = None
         self.parts: list[str] = []
@@ -64,13 +67,14 @@ class Summary:
         return self
 
     def footer(self) -> list[str]:
-        env = static_env()
+        env = self.envs[0] if self.envs else static_env()
         dtype = dtype_name(self.cfg.model.dtype) if self.cfg.get("model") is not None else None
-        lines = [f"Regenerate: `{report.command_line(self.cfg)}`."]
+        commands = sorted({e.get("command_line") for e in self.envs if e.get("command_line")})
+        lines = [f"Regenerate: `{commands[0] if commands else report.command_line(self.cfg)}`."]
         if self.cost:
             lines.append(f"Cost: {self.cost} on this machine.")
         lines.append(f"Machine class: {machine_class(env)}" + (f"; model dtype {dtype}." if dtype else "."))
-        lines.append(report.provenance(self.cfg))
+        lines.append(report.provenance(self.cfg, self.envs))
         return [line for part in lines for line in (part, "")]
 
     def render(self) -> str:
@@ -87,6 +91,11 @@ class Summary:
             atomic_write_text(csv_path, report.to_csv(self.csv_rows))
             paths["csv"] = str(csv_path)
         return {**paths, **self.paths}
+
+
+def cell_envs(metrics: list[dict]) -> list[dict]:
+    """The env records that harness.cells attaches to metrics read from disk (`_env`)."""
+    return [m["_env"] for m in metrics if isinstance(m, dict) and m.get("_env")]
 
 
 def print_paths(paths: dict[str, str]) -> None:

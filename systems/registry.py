@@ -11,19 +11,33 @@ class SystemConfigError(ValueError):
     """Bad system configuration; the message is one line that names the fix."""
 
 
-def check_policy(policy: str, params: dict) -> None:
-    """The policy module exists and its hyperparameter dataclass accepts `params`."""
-    import dataclasses
+def policy_class(policy: str):
+    """The Policy class systems.policies.<policy> exposes as POLICY, or None when there is none."""
     import importlib
 
+    from systems.policies.base import Policy
+
+    if not policy.isidentifier():
+        return None
     try:
         module = importlib.import_module(f"systems.policies.{policy}")
     except ModuleNotFoundError as exc:
         if exc.name != f"systems.policies.{policy}":
             raise
-        raise SystemConfigError(f"unknown policy {policy!r}: add systems/policies/{policy}.py or fix system.policy")
-    cls = getattr(module, "POLICY")
-    known = {f.name for f in dataclasses.fields(cls)}
+        return None
+    cls = getattr(module, "POLICY", None)
+    return cls if isinstance(cls, type) and issubclass(cls, Policy) else None
+
+
+def check_policy(policy: str, params: dict) -> None:
+    """The policy module exists and its hyperparameter dataclass accepts `params`."""
+    import dataclasses
+
+    cls = policy_class(policy)
+    if cls is None:
+        raise SystemConfigError(f"unknown policy {policy!r}: use one of {policy_names()} or add "
+                                f"systems/policies/{policy}.py exposing POLICY")
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(params) - known)
     if unknown:
         raise SystemConfigError(f"policy {policy!r}: unknown parameter(s) {unknown}; valid: {sorted(known)}")
@@ -31,6 +45,12 @@ def check_policy(policy: str, params: dict) -> None:
         cls(**params)
     except (TypeError, ValueError) as exc:
         raise SystemConfigError(f"policy {policy!r}: {exc}") from None
+
+
+def policy_names() -> list[str]:
+    """Every policy module (systems/policies/<name>.py exposing POLICY)."""
+    folder = Path(__file__).parent / "policies"
+    return sorted(p.stem for p in folder.glob("[a-z]*.py") if policy_class(p.stem) is not None)
 
 
 def check_system(system_cfg: Any) -> None:
@@ -65,7 +85,7 @@ def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any, device: str |
 
 
 class _DimsView:
-    """Just the model dimensions, for asking a policy its admission footprint before any tensor exists."""
+    """The model's dimensions and the engine's page size: what Policy.configure needs, before any tensor exists."""
 
     def __init__(self, cfg: dict, page_size: int, max_model_len: int):
         import torch
@@ -78,27 +98,53 @@ class _DimsView:
         self.device, self.dtype, self.scale = torch.device("cpu"), torch.float32, self.head_dim ** -0.5
 
 
+def check_dims(system_cfg: Any, model_dir: Path, max_model_len: int) -> None:
+    """The policy accepts the model's dimensions and the engine's page size (Policy.configure), checked before
+    any model loads."""
+    import json
+
+    from systems.engine.config import EngineConfig
+    from systems.policies import load_policy
+
+    if system_cfg.backend != "engine":
+        return
+    try:
+        engine = EngineConfig.coerce(system_cfg.engine)
+        policy = load_policy(system_cfg.policy, dict(system_cfg.params))
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        policy.configure(_DimsView(cfg, engine.page_size, max_model_len))  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemConfigError(f"system {system_cfg.name!r}: {exc}") from None
+
+
 def check_capacity(system_cfg: Any, model_dir: Path, dtype_bytes: int, prompt_len: int, max_new_tokens: int,
                    max_model_len: int) -> None:
-    """Fail before the model loads when the device pool cannot hold even the longest single request."""
+    """Fail before the model loads when the device pool cannot hold even the longest single request, for every
+    policy: each answers from the model's dimensions alone (Policy.configure, then device_blocks_needed)."""
     import json
+
+    from systems.engine.config import EngineConfig
 
     if system_cfg.backend != "engine":
         return
     from systems.policies import load_policy
 
+    try:
+        engine = EngineConfig.coerce(system_cfg.engine)
+    except ValueError as exc:
+        raise SystemConfigError(str(exc)) from None
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    view = _DimsView(cfg, system_cfg.engine.page_size, max_model_len)
+    view = _DimsView(cfg, engine.page_size, max_model_len)
     policy = load_policy(system_cfg.policy, dict(system_cfg.params))
     try:
-        policy.bind(view)  # type: ignore[arg-type]
-        need = policy.device_blocks_needed(prompt_len, max_new_tokens)
-    except Exception:  # noqa: BLE001 - a policy whose bind needs real storage is checked by the engine instead
-        return
+        policy.configure(view)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemConfigError(f"system {system_cfg.name!r}: {exc}") from None
+    need = policy.device_blocks_needed(prompt_len, max_new_tokens)
     block = 2 * view.page_size * view.head_dim * dtype_bytes
-    have = int(system_cfg.engine.device_memory_gb * 2**30) // block
+    have = int(engine.device_memory_gb * 2**30) // block
     if need > have:
         gb = need * block / 2**30
         raise SystemConfigError(f"system {system_cfg.name!r}: a {prompt_len}-token prompt needs {need} device blocks "
-                                f"({gb:.3f} GB) but engine.device_memory_gb={system_cfg.engine.device_memory_gb} holds "
+                                f"({gb:.3f} GB) but engine.device_memory_gb={engine.device_memory_gb} holds "
                                 f"{have}; set engine.device_memory_gb >= {gb:.3f}")

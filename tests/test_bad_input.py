@@ -4,6 +4,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from harness.runner import CONF_DIR, USER_ERRORS, resolve_cells, validate
 from harness.schema import register
@@ -32,9 +33,9 @@ CASES = [
     (["system=quest", "system.params.budget=0"], "budget"),                 # budget <= 0
     (["system=cake", "system.params.budget=-5"], "budget"),
     (["system=snapkv", "system.params.budget=100000"], "exceeds the context"),   # budget > context
-    (["system=quest", "system.params.budget=1000"], "does not divide"),     # page size must divide budget
-    (["system=flexicache", "system.params.budget=250"], "does not divide"),
-    (["system=quest", "system.params.page_size=32"], "engine.page_size"),
+    (["system=quest", "system.params.budget=1000"], "engine.page_size"),    # whole pages of the engine's size
+    (["system=flexicache", "system.params.budget=8"], "engine.page_size"),
+    (["system=lserve", "system.params.sink_tokens=100"], "engine.page_size"),
     (["system=hf", "system.policy=quest"], "backend"),                      # hf runs dense only
     (["task.family=nosuch"], "unknown task family"),
     (["+task.params.lenghts=[1]"], "lenghts"),                              # unknown task param
@@ -151,3 +152,45 @@ def test_malformed_rows_skip_or_fail(tmp_path, mode):
             task.samples(None)
     else:
         assert len(task.samples(None)) == 1
+
+
+SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                 "head_dim": 64}
+
+
+def _system_files():
+    from harness.runner import CONF_DIR
+    return sorted(p.stem for p in (CONF_DIR / "system").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", _system_files())
+def test_every_system_file_validates(name, tmp_path):
+    """Each conf/system file passes the checks made before any model loads (schema, policy params, the policy's
+    configure on the shipped model's shape); only its config.json is read: the folder holds no weights."""
+    import json
+
+    from harness.runner import check_budget, load_group
+    from harness.schema import ModelConfig, SystemConfig
+    from systems.registry import check_dims, check_system
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    system = load_group("system", name, SystemConfig)
+    check_budget(system, OmegaConf.structured(ModelConfig))
+    check_system(system)
+    check_dims(system, tmp_path, 8192)
+
+
+@pytest.mark.parametrize("name", _system_files())
+def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
+    import json
+
+    from harness.runner import load_group
+    from harness.schema import SystemConfig
+    from systems.registry import check_capacity
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    system = load_group("system", name, SystemConfig)
+    if system.backend != "engine":
+        pytest.skip("the pool is the engine's; hf and vllm size their own")
+    system.engine.device_memory_gb = 1e-4
+    with pytest.raises(SystemConfigError) as err:
+        check_capacity(system, tmp_path, 2, prompt_len=4000, max_new_tokens=16, max_model_len=8192)
+    assert "\n" not in str(err.value) and "set engine.device_memory_gb >=" in str(err.value)

@@ -57,6 +57,6 @@ def test_gates_train_and_become_an_lserve_profile(tiny_llama_dir, tmp_path):
     assert "gates trained for 4 steps" in md and "streams 2 heads" in md
     from systems.policies import load_policy
     policy = load_policy("lserve", {"profile": str(tmp_path / "duo_attention" / "profile_lserve.json"),
-                                    "page_size": 16, "budget": 64, "physical_page": 16, "sink_tokens": 16,
+                                    "budget": 64, "physical_page": 16, "sink_tokens": 16,
                                     "local_tokens": 32})
     assert policy.profile.endswith("profile_lserve.json")

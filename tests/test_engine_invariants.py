@@ -18,10 +18,10 @@ TINY = dict(layers=2, kv_heads=2, head_dim=16)
 STREAM = [[0, 1], [1, 0]]
 POLICIES = {  # small budgets so every mechanism (eviction, offload, promotion, streaming drops) runs
     "dense": {},
-    "quest": dict(budget=3 * P, page_size=P, skip_layers=0),
-    "flexicache": dict(budget=2 * P, page_size=P, rerank_interval=3, unstable_heads=[[1, 0]]),
-    "flexicache_naive": dict(budget=2 * P, page_size=P, naive=True, unstable_heads=[[1, 0]]),
-    "lserve": dict(budget=4 * P, page_size=P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
+    "quest": dict(budget=3 * P, skip_layers=0),
+    "flexicache": dict(budget=2 * P, rerank_interval=3, unstable_heads=[[1, 0]]),
+    "flexicache_naive": dict(budget=2 * P, naive=True, unstable_heads=[[1, 0]]),
+    "lserve": dict(budget=4 * P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
                    streaming_heads=STREAM),
     "cake": dict(budget=48, window=8),
     "cake_nocascade": dict(budget=48, window=8, cascading=False),

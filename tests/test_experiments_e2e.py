@@ -101,13 +101,15 @@ def test_memory_one_length_end_to_end(tiny_llama_dir, tmp_path):
 
 def test_decode_microbench_end_to_end(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("decode_microbench", tiny_llama_dir, tmp_path,
-                             "exp.params.systems=[dense,quest,flexicache,flexicache_naive]", "exp.params.context=256",
+                             "exp.params.systems=[dense,quest,quest_kv_head,flexicache,flexicache_naive]", "exp.params.context=256",
                              "exp.params.budget=64", "exp.params.batch_sizes=[1,2]", "exp.params.steps=4",
                              "exp.params.warmup=1")
-    assert len(rows) == 8 and pngs == ["latency_vs_batch.png", "speedup_vs_batch.png"]
+    assert len(rows) == 10 and pngs == ["latency_vs_batch.png", "speedup_vs_batch.png"]
     by = {(r["system"], r["batch"]): r for r in rows}
     assert float(by[("engine-dense", "2")]["pages_read_per_head_step"]) == 17.0     # ceil(256 + 5 tokens / 16)
-    assert float(by[("engine-quest", "2")]["pages_read_per_head_step"]) == 4.0      # budget 64 = 4 pages
+    assert float(by[("engine-quest-kvhead", "2")]["pages_read_per_head_step"]) == 4.0   # budget 64 = 4 pages
+    # per query head: each KV head reads the union of its query heads' 4 pages
+    assert 4.0 < float(by[("engine-quest", "2")]["pages_read_per_head_step"]) <= 4.0 * 2   # group of 2
     assert "stability-aware is" in md
 
 

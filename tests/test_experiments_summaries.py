@@ -5,7 +5,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness import plots
-from harness.experiments import accuracy_retention as ar
+from harness import grid as grid_lib
 from harness.experiments import cake_ablation, memory, needlebench
 
 
@@ -22,14 +22,15 @@ def test_needlebench_length_depth_grid_from_rows():
 
 
 def test_cake_points_one_factor_studies_and_tau_sweep():
-    p = {**cake_ablation.DEFAULTS, "budgets": [64, 128], "allocations": ["preference", "uniform"],
-         "indicators": ["mean_plus_var", "mean"], "tau1s": [0.5], "tau2s": [0.5, 2.0]}
+    import dataclasses
+    p = cake_ablation.Params(budgets=[64, 128], allocations=["preference", "uniform"],
+                             indicators=["mean_plus_var", "mean"], tau1s=[0.5], tau2s=[0.5, 2.0])
     pts = cake_ablation.points(p)
     per_budget = [x for x in pts if x["budget"] == 64]
     assert [x["study"] for x in per_budget].count("allocation") == 2
     assert [x["study"] for x in per_budget].count("indicator") == 2
     assert {(x["tau1"], x["tau2"]) for x in per_budget if x["study"] == "tau"} == {(0.5, 0.5), (0.5, 2.0)}
-    grid = cake_ablation.points({**p, "full_grid": True, "tau1s": []})
+    grid = cake_ablation.points(dataclasses.replace(p, full_grid=True, tau1s=[]))
     assert len(grid) == 2 * 2 * 2 and {x["study"] for x in grid} == {"grid"}
 
 
@@ -42,7 +43,20 @@ def test_cake_alias_rows_answer_for_every_study():
 
 
 def test_memory_analytic_counts():
-    from systems.policies import load_policy
+    from types import SimpleNamespace
+
+    import torch
+
+    from systems.policies import load_policy as load
+
+    dims = SimpleNamespace(page_size=16, num_layers=2, num_q_heads=6, num_kv_heads=3, head_dim=8, max_pages=64,
+                           device=torch.device("cpu"), dtype=torch.float32, scale=8 ** -0.5)
+
+    def load_policy(name, params):
+        policy = load(name, params)
+        policy.configure(dims)
+        return policy
+
     spec = {"layers": 2, "kv_heads": 3, "page_size": 16, "bytes_per_block": 100, "minmax_bytes_per_page": 8}
     dense = memory.analytic(load_policy("dense", {}), spec, n=100, out=5)
     assert dense["tokens_held"] == 104
@@ -56,10 +70,10 @@ def test_memory_analytic_counts():
 
 
 def test_variant_names_every_difference():
-    from harness.runner import Cell, load_group
+    from harness.runner import GridCell, load_group
     from harness.schema import SystemConfig, TaskConfig
     s, t = load_group("system", "cake", SystemConfig), load_group("task", "needlebench_srt", TaskConfig)
-    v = ar.variant(Cell(s, t, "x"), system_params={"allocation": "uniform"}, task_params={"lengths": [300]})
+    v = grid_lib.variant(GridCell(s, t, "x"), system_params={"allocation": "uniform"}, task_params={"lengths": [300]})
     assert v.key.startswith("engine-cake__needlebench_srt__") and "allocation=uniform" in v.key
     assert "lengths=" in v.key and s.params.allocation == "preference"   # the template is untouched
 
@@ -77,11 +91,11 @@ def test_plots_write_png(tmp_path):
 
 
 def test_task_params_must_name_known_tasks():
-    from harness.runner import Cell, UserError, load_group
+    from harness.runner import GridCell, UserError, load_group
     from harness.schema import SystemConfig, TaskConfig
-    cell = Cell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
+    cell = GridCell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
     ok = OmegaConf.create({"exp": {"params": {"task_params": {"recall": {"repeats": 2}}}}})
-    assert ar.with_task_params(ok, [cell]) == [cell]          # a known task outside the grid is ignored
+    assert grid_lib.with_task_params(ok, [cell], {"recall": {"repeats": 2}}) == [cell]          # a known task outside the grid is ignored
     typo = OmegaConf.create({"exp": {"params": {"task_params": {"needlebench_sr": {"repeats": 2}}}}})
     with pytest.raises(UserError, match="unknown task"):
-        ar.with_task_params(typo, [cell])
+        grid_lib.with_task_params(typo, [cell], {"needlebench_sr": {"repeats": 2}})

@@ -9,6 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from harness import stability
 from harness.experiments import head_stability
 from systems.policies import load_policy, profiles
 
@@ -51,8 +52,8 @@ def _trace(steps, jumpy_head, K=2, pages=8, seed=0):
 
 
 def test_analyse_finds_the_jumpy_head_on_hand_made_traces():
-    knobs = {**head_stability.DEFAULTS, "top_k": 2, "window": 3, "unstable_count": 1}
-    result = head_stability.analyse([_trace(12, (1, 0)), _trace(9, (1, 0), seed=1)], knobs, 2, 2)
+    knobs = head_stability.Params(top_k=2, window=3, unstable_count=1)
+    result = stability.analyse([_trace(12, (1, 0)), _trace(9, (1, 0), seed=1)], knobs, 2, 2)
     assert result["unstable_heads"] == [[1, 0]]
     assert result["windows"] == 4 + 3
     stats = {(s["layer"], s["head"]): s for s in result["head_stats"]}
@@ -64,7 +65,7 @@ def test_analyse_finds_the_jumpy_head_on_hand_made_traces():
 
 
 def test_overlap_table():
-    names, matrix = head_stability.overlap_table({"a": [[0, 1], [1, 1]], "b": [[1, 1], [2, 0]]})
+    names, matrix = stability.overlap_table({"a": [[0, 1], [1, 1]], "b": [[1, 1], [2, 0]]})
     assert names == ["a", "b"] and matrix == [[1.0, 0.5], [0.5, 1.0]]
 
 

@@ -12,17 +12,28 @@ from harness.stats import RequestOutput, summarize
 
 
 def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
-    cfg = OmegaConf.create({"exp": {"name": "online_sweep", "params": params}, "seed": 0,
+    cfg = OmegaConf.create({"exp": {"name": "online_sweep", "kind": "online_sweep", "params": params}, "seed": 0,
                             "model": {"max_model_len": max_model_len}})
     cell = OmegaConf.create({"system": {"name": f"sys-{backend}", "backend": backend}})
     return cfg, [cell]
 
 
+def checked(cfg, cells):
+    """Parse then check, as the runner does before any server starts."""
+    from harness.params import ParamsError, parse
+    try:
+        p = parse(cfg, online_sweep.Params)
+    except ParamsError as exc:
+        raise UserError(str(exc)) from None
+    online_sweep.check(cfg, cells, p)
+    return p
+
+
 @pytest.mark.parametrize("params, backend, needle", [
-    ({"ratez": [1]}, "engine", "unknown exp.params"),
+    ({"ratez": [1]}, "engine", "unknown key"),
     ({"rates": [0]}, "engine", "rate"),
     ({"rates": []}, "engine", "empty"),
-    ({"rates": ["fast"]}, "engine", "could not convert"),
+    ({"rates": ["fast"]}, "engine", "fast"),
     ({"process": "poisson", "burstiness": 0.5}, "engine", "process=gamma"),
     ({"process": "zipf"}, "engine", "unknown"),
     ({"goodput": {"latency": 5}}, "engine", "goodput SLO key"),
@@ -34,18 +45,19 @@ def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
 def test_bad_sweep_settings_fail_before_any_server(params, backend, needle):
     cfg, cells = fake(params, backend)
     with pytest.raises(UserError, match=needle):
-        online_sweep.check_params(cfg, cells)
+        checked(cfg, cells)
 
 
 def test_defaults_pass_and_rates_become_floats():
     cfg, cells = fake({"rates": [1, 2]})
-    p = online_sweep.check_params(cfg, cells)
-    assert p["rates"] == [1.0, 2.0] and p["num_prompts"] == online_sweep.DEFAULTS["num_prompts"]
+    p = checked(cfg, cells)
+    assert p.rates == [1.0, 2.0] and p.num_prompts == online_sweep.Params().num_prompts
 
 
 def test_summary_has_vllm_keys_per_system_and_rate_and_two_plots(tmp_path):
     cfg, cells = fake({})
-    p = online_sweep.check_params(cfg, cells)
+    cfg.model.dtype = "bfloat16"
+    p = checked(cfg, cells)
     rows = []
     for system, tpot in (("a", 0.01), ("b", 0.02)):
         for rate in (1.0, 2.0):
@@ -53,7 +65,7 @@ def test_summary_has_vllm_keys_per_system_and_rate_and_two_plots(tmp_path):
                                   latency=0.1 * rate + 4 * tpot, start_time=i) for i in range(3)]
             rows.append({"system": system, "request_rate": rate, "burstiness": 1.0, "num_prompts": 3,
                          "input_len": 8, "output_len": 5, **summarize(outs, 3.0)})
-    paths = online_sweep.write_summary(cfg, p, rows, tmp_path)
+    paths = online_sweep.write_summary(cfg, p, rows, [], tmp_path)
     table = list(csv.DictReader(open(paths["csv"])))
     assert [(r["system"], float(r["request_rate"])) for r in table] == [("a", 1.0), ("a", 2.0), ("b", 1.0),
                                                                          ("b", 2.0)]

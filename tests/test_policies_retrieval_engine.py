@@ -56,14 +56,14 @@ def _generate(engine, prompts, max_new=24):
     return [s.output_ids for s in seqs], seqs
 
 
-FLEXI = dict(page_size=P, rerank_interval=4, unstable_heads=[[1, 0], [3, 1]])
+FLEXI = dict(rerank_interval=4, unstable_heads=[[1, 0], [3, 1]])
 
 
 @pytest.mark.parametrize("name,params", [
-    ("quest", dict(budget=512, page_size=P, skip_layers=0)),
+    ("quest", dict(budget=512, skip_layers=0)),
     ("flexicache", dict(budget=512, **FLEXI)),
     ("flexicache", dict(budget=512, naive=True, **FLEXI)),
-    ("lserve", dict(budget=512, page_size=P, sink_tokens=8, local_tokens=16, streaming_heads=[], physical_page=16)),
+    ("lserve", dict(budget=512, sink_tokens=8, local_tokens=16, streaming_heads=[], physical_page=16)),
 ])
 def test_budget_at_least_context_gives_exactly_dense(tiny_dir, name, params):
     prompts = _prompts([37, 70, 12])
@@ -75,7 +75,7 @@ def test_budget_at_least_context_gives_exactly_dense(tiny_dir, name, params):
 
 @pytest.mark.parametrize("granularity", ["query_head", "kv_head"])
 def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granularity):
-    policy = load_policy("quest", dict(budget=3 * P, page_size=P, skip_layers=1, granularity=granularity))
+    policy = load_policy("quest", dict(budget=3 * P, skip_layers=1, granularity=granularity))
     engine = _engine(tiny_dir, policy)
     seen = []
     select = policy.select_pages
@@ -153,7 +153,7 @@ def test_capped_pool_admits_more_flexicache_requests_than_dense(tiny_dir):
             peak = max(peak, len(engine.scheduler.running))
         return peak
     dense = peak_running(load_policy("dense"))
-    flexi = peak_running(load_policy("flexicache", dict(budget=2 * P, page_size=P, unstable_heads=[[0, 0]])))
+    flexi = peak_running(load_policy("flexicache", dict(budget=2 * P, unstable_heads=[[0, 0]])))
     assert flexi > dense >= 1
 
 
@@ -191,8 +191,8 @@ def test_a_promotion_moves_exactly_the_set_difference(tiny_dir):
 @pytest.mark.parametrize("name,params,blocks", [
     ("flexicache", dict(budget=2 * P, **FLEXI), 130),
     ("flexicache", dict(budget=3 * P, naive=True, **FLEXI), 110),
-    ("quest", dict(budget=2 * P, page_size=P), 300),
-    ("lserve", dict(budget=4 * P, page_size=P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
+    ("quest", dict(budget=2 * P), 300),
+    ("lserve", dict(budget=4 * P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
                     streaming_heads=[[0, 1], [2, 0], [3, 1]]), 200),
 ])
 def test_no_block_leak_after_a_randomized_workload_with_preemption(tiny_dir, name, params, blocks):
@@ -208,7 +208,7 @@ def test_no_block_leak_after_a_randomized_workload_with_preemption(tiny_dir, nam
 
 
 def test_lserve_streaming_heads_keep_sink_and_window_and_retrieval_heads_read_k_physical_pages(tiny_dir):
-    params = dict(budget=8, page_size=P, physical_page=8, sink_tokens=4, local_tokens=8, reuse_interval=2,
+    params = dict(budget=8, physical_page=8, sink_tokens=4, local_tokens=8, reuse_interval=2,
                   streaming_heads=[[0, 1], [2, 0]])
     policy = load_policy("lserve", params)
     engine = _engine(tiny_dir, policy)
@@ -242,14 +242,16 @@ def test_lserve_streaming_heads_keep_sink_and_window_and_retrieval_heads_read_k_
 
 
 def test_bad_params_fail_in_one_line(tiny_dir):
-    with pytest.raises(ValueError, match="engine.page_size"):
-        _engine(tiny_dir, load_policy("quest", dict(page_size=16)))
+    with pytest.raises(ValueError, match="engine.page_size"):          # the page size is the engine's alone
+        _engine(tiny_dir, load_policy("quest", dict(budget=3 * P + 1)))
+    with pytest.raises(ValueError, match="unknown params"):
+        load_policy("quest", dict(page_size=16))
     with pytest.raises(ValueError, match="multiple of physical_page"):
         load_policy("lserve", dict(budget=100))
     with pytest.raises(ValueError, match="outside the model"):
-        _engine(tiny_dir, load_policy("flexicache", dict(page_size=P, unstable_heads=[[9, 0]])))
+        _engine(tiny_dir, load_policy("flexicache", dict(unstable_heads=[[9, 0]])))
     with pytest.raises(ValueError, match="no flexicache profile"):
-        load_policy("flexicache", dict(page_size=P, profile_model="nope"))
+        load_policy("flexicache", dict(profile_model="nope"))
     with pytest.raises(ValueError, match="lserve: no profile"):
         load_policy("lserve", dict(profile_model="nope"))
 

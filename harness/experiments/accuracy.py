@@ -1,226 +1,29 @@
-"""Accuracy cells: render a task's samples, generate with a system, score, measure fidelity, append to the store.
-
-Every accuracy experiment (accuracy, accuracy_retention, needlebench, cake_ablation, quickstart, ruler,
-budget_sweep) runs its cells through `run_cells`. Reference cells run first, because each policy cell compares its
-distributions with the reference's on the same samples (harness.fidelity). Engine cells decode batch-invariantly
-(SYSTEM_DEFAULTS): a sample's tokens do not depend on which other samples share its batch, so a comparison is never
-decided by how requests happened to be batched.
-"""
+"""The `accuracy` kind: any system × task grid scored, with retention and fidelity against a reference when there is
+one (engine-dense or exp.params.reference); a single cell is the default run of `python -m harness`."""
 from __future__ import annotations
 
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from harness import accuracy_report, fidelity
-from harness.assets import model_dir as resolve_model_dir
-from harness.envinfo import env_record
-from harness.progress import RunProgress
-from harness.prompts import render_all
-from harness.runner import Cell, dump_yaml
-from harness.store import Cell as StoreCell
-from systems.base import GenerationRequest
-from systems.hardware import resolve_dtype
-from systems.registry import build_system, check_capacity
-from tasks.base import load_task
+from harness import accuracy_cells, accuracy_report
+from harness.params import AccuracyParams
+from harness.runner import GridCell
 
-# merged into every engine system of an accuracy experiment before its cell keys are made (overridable)
-SYSTEM_DEFAULTS = {"engine": {"batch_invariant": True}}
-FIDELITY_DEFAULTS = {"steps": 64, "gold": True}
+Params = AccuracyParams
+SYSTEM_DEFAULTS = accuracy_cells.SYSTEM_DEFAULTS
+grid = accuracy_cells.grid
 
 
-class Workspace:
-    """What cells of one run share: the model folder, its tokenizer, and one live system at a time."""
-
-    def __init__(self, cfg: DictConfig):
-        from transformers import AutoTokenizer
-
-        self.cfg = cfg
-        self.model_dir = resolve_model_dir(cfg.model.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self._system, self._system_key = None, None
-        self._prepared: dict[str, tuple] = {}
-
-    def task(self, cfg: DictConfig, task_cfg: DictConfig):
-        """(task, samples, prompts) of a task config, built once per run: every system sees the same samples."""
-        key = OmegaConf.to_yaml(task_cfg)
-        if key not in self._prepared:
-            task = load_task(task_cfg.family, task_cfg.name, OmegaConf.to_container(task_cfg.params), seed=cfg.seed,
-                             limit=task_cfg.limit, fraction=task_cfg.fraction)
-            samples = task.samples(self.tokenizer)
-            prompts = render_all(samples, self.tokenizer, cfg.model.max_input_tokens, cfg.model.max_model_len)
-            self._prepared[key] = (task, samples, prompts)
-        return self._prepared[key]
-
-    def system(self, system_cfg: DictConfig):
-        key = OmegaConf.to_yaml(system_cfg)
-        if key != self._system_key:
-            self.close()
-            self._system = build_system(system_cfg, self.model_dir, self.cfg.model)
-            self._system_key = key
-        return self._system
-
-    def close(self) -> None:
-        if self._system is not None:
-            self._system.close()
-        self._system, self._system_key = None, None
+def write_summary(cfg, p, cells, labels, metrics, rows_by_cell, out_dir) -> dict[str, str]:
+    return accuracy_report.write_cells_summary(cfg, p, cells, labels, metrics, rows_by_cell, out_dir)
 
 
-def prepare_cell(cfg: DictConfig, cell: Cell, ws: Workspace):
-    task, samples, prompts = ws.task(cfg, cell.task)
-    if prompts:
-        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
-        check_capacity(cell.system, ws.model_dir, 2 if resolve_dtype(cfg.model.dtype) != torch.float32 else 4,
-                       len(prompts[longest]), samples[longest].max_new_tokens, cfg.model.max_model_len)
-    return task, samples, prompts
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    return accuracy_cells.run_kind(sys.modules[__name__], cfg, cells, out_dir)
 
 
-def fidelity_settings(cfg: DictConfig) -> dict | None:
-    """exp.params.fidelity: false (off), true / absent (defaults) or {steps, gold}."""
-    value = cfg.exp.params.get("fidelity", True)
-    if value is False or value is None:
-        return None
-    extra = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else {}
-    return {**FIDELITY_DEFAULTS, **(extra or {})}
-
-
-def cell_yaml(cfg: DictConfig, cell: Cell) -> str:
-    """The cell's resolved config plus its fidelity settings: another setting reruns the cell."""
-    node = cell.resolved(cfg)
-    node["fidelity"] = fidelity_settings(cfg)
-    return dump_yaml(node)
-
-
-def fidelity_plans(cfg: DictConfig, cells: list[Cell], labels: list[str], reference: str | None, out_dir: Path
-                   ) -> list[fidelity.FidelityPlan | None]:
-    """Per cell: the reference role, the policy role against the reference cell of the same task, or None (no
-    reference cell for the task, fidelity off, or the reference is a system without teacher forcing)."""
-    settings = fidelity_settings(cfg)
-    if settings is None or reference is None:
-        return [None] * len(cells)
-    task_key = lambda c: OmegaConf.to_yaml(c.task)  # noqa: E731
-    ref_cells = {task_key(c): c for c, label in zip(cells, labels) if label == reference}
-    plans: list[fidelity.FidelityPlan | None] = []
-    for cell, label in zip(cells, labels):
-        ref = ref_cells.get(task_key(cell))
-        if ref is None or ref.system.backend == "vllm" or cell.system.backend == "vllm":
-            plans.append(None)
-            continue
-        role = "reference" if label == reference else "policy"
-        plans.append(fidelity.FidelityPlan(role=role, steps=int(settings["steps"]), gold=bool(settings["gold"]),
-                                           reference_dir=out_dir / ref.key))
-    return plans
-
-
-def run_cell(cfg: DictConfig, cell: Cell, out_dir: Path, ws: Workspace, progress: RunProgress,
-             prepared=None, plan: fidelity.FidelityPlan | None = None) -> dict:
-    store = StoreCell(out_dir / cell.key)
-    task, samples, prompts = prepared or prepare_cell(cfg, cell, ws)
-    store.open(cell_yaml(cfg, cell), env_record(cfg.seed))
-    done = store.done_ids()
-    todo = [(s, p) for s, p in zip(samples, prompts) if s.id not in done]
-    progress.start_cell(f"{cell.system.name} × {cell.task.name}", len(samples) - len(todo), len(samples))
-    gen_seconds = fid_seconds = 0.0
-    memory = None
-    if todo:
-        system = ws.system(cell.system)
-        system.reset_stats()
-        if plan is not None and not fidelity.supports_forcing(system):
-            plan = None
-        if plan is not None and plan.role == "policy":
-            plan.reference_rows = fidelity.reference_rows_of(StoreCell(plan.reference_dir).rows())
-        batch = cell.system.batch_size
-        for start in range(0, len(todo), batch):
-            chunk = todo[start:start + batch]
-            reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
-                                      stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0)
-                    for s, p in chunk]
-            t0 = time.perf_counter()
-            completions = system.generate(reqs)
-            t1 = time.perf_counter()
-            fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
-                                      completions) if plan else [{} for _ in chunk])
-            gen_seconds += t1 - t0
-            fid_seconds += time.perf_counter() - t1
-            rows = []
-            for (s, _), c, f in zip(chunk, completions, fid):
-                scores = task.score(s, c.text)
-                rows.append({"id": s.id, "prediction": c.text, **scores, "meta": s.meta,
-                             "answers": list(s.answers), "prompt_tokens": c.prompt_tokens,
-                             "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
-                             "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **f})
-            store.append(rows)
-            progress.advance(len(rows))
-        memory = system.memory_report().as_dict()
-    progress.end_cell()
-    rows = store.rows()
-    order = {s.id: i for i, s in enumerate(samples)}
-    rows.sort(key=lambda r: order.get(r["id"], len(order)))
-    previous = store.metrics() if (store.root / "metrics.json").is_file() else {}
-    metrics = {"system": cell.system.name, "task": cell.task.name, "summary": task.summarize(rows),
-               "n": len(rows), "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in rows),
-               "generation_seconds": previous.get("generation_seconds", 0.0) + gen_seconds,
-               "fidelity_seconds": previous.get("fidelity_seconds", 0.0) + fid_seconds,
-               "memory": memory or previous.get("memory")}
-    store.write_metrics(metrics)
-    return metrics
-
-
-def plan_cells(cfg: DictConfig, cells: list[Cell], out_dir: Path, ws: Workspace):
-    """Metrics of complete cells, and the pending ones prepared (prompts rendered: bad input fails before any
-    generation) with their count of samples left."""
-    results: list[dict | None] = [None] * len(cells)
-    pending = []
-    for i, cell in enumerate(cells):
-        store = StoreCell(out_dir / cell.key)
-        if store.is_complete(cell_yaml(cfg, cell)):
-            results[i] = store.metrics()
-        else:
-            prepared = prepare_cell(cfg, cell, ws)
-            left = len({s.id for s in prepared[1]} - store.done_ids())
-            pending.append((i, cell, prepared, left))
-    return results, pending
-
-
-def execute_cells(cfg, cells, results, pending, out_dir: Path, ws: Workspace, progress: RunProgress,
-                  plans: list | None = None) -> list[dict]:
-    plans = plans or [None] * len(cells)
-    for i, cell in enumerate(cells):
-        if results[i] is not None:
-            progress.skip_cell(f"{cell.system.name} × {cell.task.name}")
-    # reference cells first: every policy cell of the same task reads the reference's distributions
-    for i, cell, prepared, _ in sorted(pending, key=lambda p: (plans[p[0]] is None or plans[p[0]].role != "reference",
-                                                                p[0])):
-        results[i] = run_cell(cfg, cell, out_dir, ws, progress, prepared, plans[i])
-    return results
-
-
-def run_cells(cfg: DictConfig, cells: list[Cell], out_dir: Path, labels: list[str] | None = None,
-              reference: str | None = None) -> list[dict]:
-    """Run every cell (skipping complete ones) with one progress display; returns each cell's metrics."""
-    labels = labels or [c.system.name for c in cells]
-    plans = fidelity_plans(cfg, cells, labels, reference, out_dir)
-    ws = Workspace(cfg)
-    try:
-        results, pending = plan_cells(cfg, cells, out_dir, ws)
-        progress = RunProgress(len(cells), sum(p[3] for p in pending), enabled=cfg.progress)
-        try:
-            return execute_cells(cfg, cells, results, pending, out_dir, ws, progress, plans)
-        finally:
-            progress.close()
-    finally:
-        ws.close()
-
-
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    reference = accuracy_report.reference_label(cfg, [c.system.name for c in cells])
-    metrics = run_cells(cfg, cells, out_dir, reference=reference)
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    paths = accuracy_report.write_cells_summary(cfg, cells, metrics, rows_by_cell, out_dir)
-    print(Path(paths["md"]).read_text())
-    for kind, path in paths.items():
-        print(f"[{kind}] {path}")
-    return metrics
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    return accuracy_cells.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)

@@ -13,107 +13,43 @@ system_overrides / task_overrides cannot express, e.g. shorter NeedleBench lengt
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
-import importlib
+import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import accuracy_report
 from harness.accuracy_report import AccuracyData
-from harness.experiments import accuracy
-from harness.summary import Summary, print_paths
-from harness.runner import CONF_DIR, Cell, UserError, cell_key, load_group, validate
-from harness.schema import SystemConfig, TaskConfig
-from harness.store import Cell as StoreCell
+from harness import grid as grid_lib
+from harness import accuracy_cells as accuracy
+from harness.summary import Summary, cell_envs
+from harness.params import AccuracyParams
+from harness.runner import GridCell, UserError
 
-DEFAULTS = {"reference": None, "min_reference_score": 5.0, "task_params": {}, "budgets": None}
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 # per-request policy statistics averaged into the summary when a policy reports them (Completion.kv_stats)
 POLICY_STATS = {"promoted_share_of_topk": "promoted share of top-K / rerank"}
 
 
-# ---- cells derived from the runner's grid (shared with needlebench and cake_ablation) ----------------------------
-def pristine(group: str, name: str, schema: type) -> DictConfig | None:
-    """The group file whose `name` is `name`, unmodified: the baseline a cell key lists its differences from."""
-    for path in sorted((CONF_DIR / group).glob("*.yaml")):
-        if OmegaConf.load(path).get("name") == name:
-            return load_group(group, path.stem, schema)
-    return None
+Params = AccuracyParams
+grid = accuracy.grid
 
 
-def variant(cell: Cell, system_params: dict | None = None, task_params: dict | None = None,
-            task_fields: dict | None = None) -> Cell:
-    """A copy of `cell` with some system / task params replaced; its key names every difference from the files."""
-    system, task = copy.deepcopy(cell.system), copy.deepcopy(cell.task)
-    if system_params:
-        system.merge_with({"params": system_params})
-    if task_params:
-        task.merge_with({"params": task_params})
-    if task_fields:
-        task.merge_with(task_fields)
-    sys_default = pristine("system", system.name, SystemConfig) or system
-    task_default = pristine("task", task.name, TaskConfig) or task
-    return Cell(system, task, cell_key(system, task, sys_default, task_default))
+def label_of(cell) -> str:
+    """A finished cell's label in its own run (`system@budget` in a budget sweep)."""
+    return grid_lib.budget_label(cell, ((cell.config.get("exp") or {}).get("params") or {}).get("budgets"))
 
 
-def with_task_params(cfg: DictConfig, cells: list[Cell]) -> list[Cell]:
-    """Apply exp.params.task_params to the cells of the named tasks and validate the result before any work."""
-    per_task = dict(cfg.exp.params.get("task_params") or {})
-    known = {OmegaConf.load(path).get("name") for path in (CONF_DIR / "task").glob("*.yaml")}
-    unknown = sorted(set(per_task) - known - {c.task.name for c in cells})
-    if unknown:   # a task of the files that is not in this grid is fine: narrowing exp.tasks keeps the yaml's entries
-        raise UserError(f"exp.params.task_params names unknown task(s) {unknown}; use task names of conf/task")
-    if not set(per_task) & {c.task.name for c in cells}:
-        return cells
-    out = [variant(c, task_params=OmegaConf.to_container(per_task[c.task.name], resolve=True))
-           if c.task.name in per_task else c for c in cells]
-    validate(cfg, out)
-    return out
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
 
 
-def by_budget(cfg: DictConfig, cells: list[Cell], budgets: list | None) -> tuple[list[Cell], list[str]]:
-    """Cells and their labels: with `budgets`, each cell of a policy that has a budget becomes one cell per budget
-    (labelled `<system>@<budget>`); budget-free systems (dense, vllm, hf) run once under their own name."""
-    if budgets is None:
-        return cells, [c.system.name for c in cells]
-    if cfg.exp.params.get("budget") is not None:
-        raise UserError("set exp.params.budget or exp.params.budgets, not both")
-    if not budgets or any(int(b) <= 0 for b in budgets):
-        raise UserError(f"exp.params.budgets={budgets}: give a list of positive token budgets")
-    out, labels = [], []
-    for cell in cells:
-        fields = set()
-        if cell.system.backend == "engine":
-            policy = importlib.import_module(f"systems.policies.{cell.system.policy}").POLICY
-            fields = {f.name for f in dataclasses.fields(policy)}
-        if "budget" not in fields:
-            out.append(cell)
-            labels.append(cell.system.name)
-            continue
-        for b in budgets:
-            extra = {"budget": int(b), **({"recent_size": None} if "recent_size" in fields else {})}
-            out.append(variant(cell, system_params=extra))
-            labels.append(f"{cell.system.name}@{int(b)}")
-    validate(cfg, out)
-    return out, labels
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
-# ---- run and summary -------------------------------------------------------------------------------------------
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    cells = with_task_params(cfg, cells)
-    cells, labels = by_budget(cfg, cells, cfg.exp.params.get("budgets"))
-    reference = accuracy_report.reference_label(cfg, labels) or labels[0]
-    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    paths = write_summary(cfg, cells, metrics, rows_by_cell, out_dir, labels)
-    print_paths(paths)
-    return metrics
-
-
-def policy_stats(cells: list[Cell], rows_by_cell: dict[str, list[dict]], labels: list[str]) -> dict[str, dict]:
+def policy_stats(cells: list[GridCell], rows_by_cell: dict[str, list[dict]], labels: list[str]) -> dict[str, dict]:
     """label -> {stat: mean over the label's requests} for the POLICY_STATS a policy reports."""
     values: dict[str, dict[str, list[float]]] = {}
     for cell, label in zip(cells, labels):
@@ -125,21 +61,16 @@ def policy_stats(cells: list[Cell], rows_by_cell: dict[str, list[dict]], labels:
     return {label: {k: sum(v) / len(v) for k, v in per.items()} for label, per in values.items()}
 
 
-def write_summary(cfg, cells, metrics, rows_by_cell, out_dir: Path, labels: list[str] | None = None
-                  ) -> dict[str, str]:
-    params = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
-    labels = labels or [c.system.name for c in cells]
-    reference = params["reference"] or accuracy_report.reference_label(cfg, labels) or labels[0]
+def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
+    reference = accuracy.reference_of(p, labels) or labels[0]
     if reference not in labels:
         raise UserError(f"reference system {reference!r} is not in the grid {sorted(set(labels))}: add it to "
                         f"exp.systems or set exp.params.reference")
-    data = AccuracyData(cells, labels, rows_by_cell, float(params["min_reference_score"]))
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     use = data.usable(reference)
-    budget = params.get("budget")
-    at = (f" at a budget of {budget} tokens" if budget is not None else
-          f" at budgets of {', '.join(str(b) for b in params['budgets'])} tokens (`system@budget`)"
-          if params.get("budgets") else "")
-    summary = Summary(cfg)
+    at = (f" at a budget of {p.budget} tokens" if p.budget is not None else
+          f" at budgets of {', '.join(str(b) for b in p.budgets)} tokens (`system@budget`)" if p.budgets else "")
+    summary = Summary(cfg, envs=cell_envs(metrics))
     n_ref = sum(data.n(reference, u) for u in use)
     bullets = [f"macro retention vs `{reference}`{at}, over {len(use)} of {len(data.units)} task units "
                f"({n_ref} samples): {data.ranking(reference, units=use)}"]

@@ -13,38 +13,52 @@ context), size_reason.
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness.experiments import accuracy
-from harness.experiments.accuracy_retention import by_budget, with_task_params
-from harness.runner import Cell, UserError
-from harness.store import Cell as StoreCell
-from harness.summary import Summary, print_paths
+from harness import accuracy_cells as accuracy
+from harness.grid import budget_label
+from harness.params import AccuracyParams
+from harness.runner import GridCell, UserError
+from harness.summary import Summary, cell_envs
 from harness.uncertainty import Estimate
 
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 
 
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    budgets = cfg.exp.params.get("budgets")
-    if not budgets:
+@dataclass
+class Params(AccuracyParams):
+    contexts: dict[str, int] = field(default_factory=dict)   # {task name: context tokens}: budgets as a share
+
+
+def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
+    if not p.budgets:
         raise UserError("budget_sweep needs exp.params.budgets, a list of token budgets (e.g. [128,512,1024])")
-    cells = with_task_params(cfg, cells)
-    cells, labels = by_budget(cfg, cells, list(budgets))
-    reference = accuracy_report.reference_label(cfg, labels) or labels[0]
+    cells, labels = accuracy.grid(cfg, cells, p)
+    reference = accuracy.reference_of(p, labels)
     if reference not in labels:
         raise UserError(f"reference {reference!r} is not in the grid: add it to exp.systems or set exp.params.reference")
-    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    print_paths(write_summary(cfg, cells, labels, metrics, rows_by_cell, out_dir))
-    return metrics
+    return cells, labels
+
+
+def label_of(cell) -> str:
+    return budget_label(cell, [1])
+
+
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
+
+
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
 def mean_score(data: AccuracyData, label: str, units: list[str]) -> Estimate:
@@ -56,46 +70,44 @@ def mean_score(data: AccuracyData, label: str, units: list[str]) -> Estimate:
     return Estimate(point, low, high, sum(len(v) for v in vectors))
 
 
-def write_summary(cfg, cells: list[Cell], labels: list[str], metrics: list[dict], rows_by_cell: dict,
-                  out_dir: Path) -> dict[str, str]:
-    params = OmegaConf.to_container(cfg.exp.params, resolve=True)
-    reference = params.get("reference") or accuracy_report.reference_label(cfg, labels) or labels[0]
-    data = AccuracyData(cells, labels, rows_by_cell, float(params.get("min_reference_score", 5.0)))
+def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
+    reference = accuracy.reference_of(p, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     units = data.usable(reference) or data.units
-    budgets = sorted({int(b) for b in params["budgets"]})
+    budgets = sorted({int(b) for b in p.budgets})
     policies = list(dict.fromkeys(label.split("@")[0] for label in labels if "@" in label))
-    at = {p: {b: f"{p}@{b}" for b in budgets if f"{p}@{b}" in data.systems} for p in policies}
+    at = {pol: {b: f"{pol}@{b}" for b in budgets if f"{pol}@{b}" in data.systems} for pol in policies}
     score = {label: mean_score(data, label, units) for label in data.systems}
     top1 = {label: data.fidelity(label, "fid_top1", units) for label in data.systems}
     kl = {label: data.fidelity(label, "fid_kl", units) for label in data.systems}
     ref = score[reference]
-    summary = Summary(cfg)
+    summary = Summary(cfg, envs=cell_envs(metrics))
     bullets = []
-    for p in policies:
-        reach = next((b for b, label in at[p].items() if np.isfinite(score[label].value) and (
+    for pol in policies:
+        reach = next((b for b, label in at[pol].items() if np.isfinite(score[label].value) and (
             score[label].value >= ref.value or not data.macro_difference(label, reference, reference, units)
             .excludes(0.0))), None)
-        bullets.append(f"{p}: " + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[p].items())
+        bullets.append(f"{pol}: " + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[pol].items())
                        + (f"; within the noise of {reference} from {reach} tokens" if reach else
                           f"; below {reference} at every budget"))
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
                    f"{ref.fmt(1)}:", bullets)
-    if params.get("size_reason"):
-        summary.text(f"**Why this size:** {params['size_reason']}")
+    if p.size_reason:
+        summary.text(f"**Why this size:** {p.size_reason}")
     grid_tasks = {c.task.name for c in cells}
-    contexts = {t: n for t, n in (params.get("contexts") or {}).items() if t in grid_tasks}
+    contexts = {t: n for t, n in p.contexts.items() if t in grid_tasks}
     if contexts:
         summary.text("Budgets as a share of the context: " + "; ".join(
             f"{t} ({n} tokens): " + ", ".join(f"{b} = {100 * b / n:.0f} %" for b in budgets)
             for t, n in contexts.items()) + ".")
-    series = {p: [(b, score[label].value) for b, label in at[p].items()] for p in policies}
-    errors = {p: [(b, score[label].low, score[label].high) for b, label in at[p].items()] for p in policies}
+    series = {pol: [(b, score[label].value) for b, label in at[pol].items()] for pol in policies}
+    errors = {pol: [(b, score[label].low, score[label].high) for b, label in at[pol].items()] for pol in policies}
     panels = [dict(series=series, errors=errors, band=(reference, ref.value, ref.low, ref.high), logx=True,
                    ylabel="mean score (0–100, 95 % CI)", title="Task score vs budget")]
     if data.has("fid_top1"):
-        panels.append(dict(series={p: [(b, top1[label].value) for b, label in at[p].items()] for p in policies},
-                           errors={p: [(b, top1[label].low, top1[label].high) for b, label in at[p].items()]
-                                   for p in policies}, logx=True, hline=1.0,
+        panels.append(dict(series={pol: [(b, top1[label].value) for b, label in at[pol].items()] for pol in policies},
+                           errors={pol: [(b, top1[label].low, top1[label].high) for b, label in at[pol].items()]
+                                   for pol in policies}, logx=True, hline=1.0,
                            ylabel=f"top-1 agreement with {reference} (95 % CI)",
                            title="Teacher-forced fidelity vs budget"))
     summary.image("png_budget", plots.line_panels(
@@ -103,15 +115,15 @@ def write_summary(cfg, cells: list[Cell], labels: list[str], metrics: list[dict]
         f"{cfg.exp.name}: n = {ref.n} samples per point"), "score and fidelity vs budget")
     summary.section("Score, retention and fidelity per policy and budget").table(
         ["policy", *[f"budget {b}" for b in budgets]],
-        [[p, *[f"{score[at[p][b]].fmt(1, with_n=False)} · ret {data.macro_retention(at[p][b], reference, units).fmt(2, with_n=False)} · "
-               f"top-1 {top1[at[p][b]].fmt(2, with_n=False)} · KL {kl[at[p][b]].fmt(3, with_n=False)}"
-               if b in at[p] else "—" for b in budgets]] for p in policies])
+        [[pol, *[f"{score[at[pol][b]].fmt(1, with_n=False)} · ret {data.macro_retention(at[pol][b], reference, units).fmt(2, with_n=False)} · "
+               f"top-1 {top1[at[pol][b]].fmt(2, with_n=False)} · KL {kl[at[pol][b]].fmt(3, with_n=False)}"
+               if b in at[pol] else "—" for b in budgets]] for pol in policies])
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "
                  "KL(reference ‖ policy) [CI].")
-    summary.csv([{"system": p, "budget": b, "task": "MEAN", **score[label].as_dict("score_"),
+    summary.csv([{"system": pol, "budget": b, "task": "MEAN", **score[label].as_dict("score_"),
                   **data.macro_retention(label, reference, units).as_dict("retention_"),
                   **top1[label].as_dict("top1_"), **kl[label].as_dict("kl_")}
-                 for p in policies for b, label in at[p].items()]
+                 for pol in policies for b, label in at[pol].items()]
                 + [{"system": reference, "budget": None, "task": "MEAN", **ref.as_dict("score_")}])
     accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False)
     summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),

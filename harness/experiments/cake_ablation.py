@@ -14,6 +14,8 @@ Every study runs at every budget of `budgets` (tokens per layer, window included
 from __future__ import annotations
 
 import math
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,47 +24,62 @@ from omegaconf import DictConfig, OmegaConf
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness.experiments import accuracy
-from harness.experiments.accuracy_retention import variant, with_task_params
-from harness.runner import Cell, UserError, validate
-from harness.store import Cell as StoreCell
-from harness.summary import Summary, print_paths
+from harness import accuracy_cells as accuracy
+from harness.grid import variant, with_task_params
+from harness.params import AccuracyParams
+from harness.runner import GridCell, UserError, validate
+from harness.summary import Summary, cell_envs
 from systems.policies import load_policy
 
-DEFAULTS = {"budgets": [128], "allocations": ["preference", "uniform", "pyramid", "random"],
-            "indicators": ["mean_plus_var", "mean", "var", "mean_times_var"], "full_grid": False,
-            "tau1s": [], "tau2s": [], "base": {"allocation": "preference", "indicator": "mean_plus_var"},
-            "reference": None, "task_params": {}, "template_params": {}}
+@dataclass
+class Base:
+    allocation: str = "preference"
+    indicator: str = "mean_plus_var"
+
+
+@dataclass
+class Params(AccuracyParams):
+    budgets: list[int] = field(default_factory=lambda: [128])     # CAKE cache_size points (not a budget sweep)
+    allocations: list[str] = field(default_factory=lambda: ["preference", "uniform", "pyramid", "random"])
+    indicators: list[str] = field(default_factory=lambda: ["mean_plus_var", "mean", "var", "mean_times_var"])
+    full_grid: bool = False
+    tau1s: list[float] = field(default_factory=list)
+    tau2s: list[float] = field(default_factory=list)
+    base: Base = field(default_factory=Base)
+    template_params: dict[str, Any] = field(default_factory=dict)
+
+
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
+_TAGS: dict[str, dict] = {}     # cell key -> its ablation point, filled by grid() for the summary
 
 
-def points(p: dict) -> list[dict]:
+def points(p: Params) -> list[dict]:
     """Ablation points (dicts of cake params plus the study they belong to), without duplicates."""
-    base = p["base"]
+    base = p.base
     out: list[dict] = []
-    for budget in p["budgets"]:
+    for budget in p.budgets:
         combos = []
-        if p["full_grid"]:
-            combos += [("grid", a, i, None, None) for a in p["allocations"] for i in p["indicators"]]
+        if p.full_grid:
+            combos += [("grid", a, i, None, None) for a in p.allocations for i in p.indicators]
         else:
-            combos += [("allocation", a, base["indicator"], None, None) for a in p["allocations"]]
-            combos += [("indicator", base["allocation"], i, None, None) for i in p["indicators"]]
-        combos += [("tau", base["allocation"], base["indicator"], float(t1), float(t2))
-                   for t1 in p["tau1s"] for t2 in p["tau2s"]]
+            combos += [("allocation", a, base.indicator, None, None) for a in p.allocations]
+            combos += [("indicator", base.allocation, i, None, None) for i in p.indicators]
+        combos += [("tau", base.allocation, base.indicator, float(t1), float(t2))
+                   for t1 in p.tau1s for t2 in p.tau2s]
         for study, a, i, t1, t2 in combos:
             out.append({"study": study, "budget": int(budget), "allocation": a, "indicator": i, "tau1": t1,
                         "tau2": t2})
     return out
 
 
-def _default_taus(cell: Cell, point: dict) -> tuple[float, float]:
+def _default_taus(cell: GridCell, point: dict) -> tuple[float, float]:
     """The taus the template resolves to at this point (its own, or CAKE's table): a tau point equal to them is the
     base point, run once."""
     params = {**OmegaConf.to_container(cell.system.params, resolve=True), **point}
     return tuple(float(t) for t in load_policy(cell.system.policy, params).taus)
 
 
-def expand(cfg: DictConfig, cells: list[Cell], p: dict) -> tuple[list[Cell], list[dict]]:
+def expand(cfg: DictConfig, cells: list[GridCell], p: Params) -> tuple[list[GridCell], list[dict]]:
     """Reference cells as they are, plus one cell per (CAKE template cell, ablation point); validated."""
     templates = [c for c in cells if c.system.policy == "cake"]
     if not templates:
@@ -75,7 +92,7 @@ def expand(cfg: DictConfig, cells: list[Cell], p: dict) -> tuple[list[Cell], lis
     seen = set()
     for c in templates:
         for pt in points(p):
-            params = {**p["template_params"], **{k: pt[k] for k in ("budget", "allocation", "indicator")}}
+            params = {**p.template_params, **{k: pt[k] for k in ("budget", "allocation", "indicator")}}
             if pt["tau1"] is not None and (pt["tau1"], pt["tau2"]) != _default_taus(c, params):
                 params.update(tau1=pt["tau1"], tau2=pt["tau2"])
             v = variant(c, system_params=params)
@@ -101,18 +118,20 @@ def label(tag: dict, system: str) -> str:
     return f"{system}@{tag['budget']} {tag['allocation']}+{tag['indicator']}{taus}"
 
 
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    p = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
-    if not p["budgets"]:
+def grid(cfg: DictConfig, cells: list[GridCell], p: Params) -> tuple[list[GridCell], list[str]]:
+    if not p.budgets:
         raise UserError("exp.params.budgets must list at least one CAKE budget (tokens per layer)")
-    cells = with_task_params(cfg, cells)
-    cells, tags = expand(cfg, cells, p)
-    labels = [label(t, c.system.name) for c, t in zip(cells, tags)]
-    reference = p["reference"] or accuracy_report.reference_label(cfg, labels) or labels[0]
-    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    print_paths(write_summary(cfg, cells, tags, labels, metrics, rows_by_cell, p, out_dir))
-    return metrics
+    cells, tags = expand(cfg, with_task_params(cfg, cells, p.task_params), p)
+    _TAGS.update({c.key: t for c, t in zip(cells, tags)})
+    return cells, [label(t, c.system.name) for c, t in zip(cells, tags)]
+
+
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
+
+
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
 def _matches(row: dict, study: str, want: dict) -> bool:
@@ -126,13 +145,16 @@ def _matches(row: dict, study: str, want: dict) -> bool:
     return all(row[k] == v for k, v in want.items())
 
 
-def write_summary(cfg, cells, tags, labels, metrics, rows_by_cell, p: dict, out_dir: Path) -> dict[str, str]:
-    reference = p["reference"] or accuracy_report.reference_label(cfg, labels) or labels[0]
-    data = AccuracyData(cells, labels, rows_by_cell)
+def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
+    reference = accuracy.reference_of(p, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     unit = data.units[0] if len(data.units) == 1 else None
-    points = [{**t, "label": lab} for t, lab in zip(tags, labels) if t["study"] != "reference"]
-    budgets = [int(b) for b in p["budgets"]]
-    base = p["base"]
+    tags = [_TAGS.get(c.key, {"study": "other"}) for c in cells]
+    points = [{**t, "label": lab} for t, lab in zip(tags, labels) if t["study"] not in ("reference", "other")]
+    budgets = [int(b) for b in p.budgets]
+    base = {"allocation": p.base.allocation, "indicator": p.base.indicator}
+    p = {"allocations": p.allocations, "indicators": p.indicators, "full_grid": p.full_grid, "tau1s": p.tau1s,
+         "tau2s": p.tau2s}
 
     def find(budget, study, **want):
         return next((pt["label"] for pt in points if pt["budget"] == budget and _matches(pt, study, want)), None)
@@ -141,7 +163,7 @@ def write_summary(cfg, cells, tags, labels, metrics, rows_by_cell, p: dict, out_
         return data.macro_retention(lab, reference).fmt(2) if lab else "—"
 
     ref_score = data.score(reference, unit) if unit else unc.NAN
-    summary = Summary(cfg)
+    summary = Summary(cfg, envs=cell_envs(metrics))
     summary.glance(f"`{reference}` scores {ref_score.fmt(1)}; retention of each CAKE point vs it: "
                    + data.ranking(reference, [pt["label"] for pt in points])
                    + " (`>` only where the paired 95 % interval of the difference excludes 0).")

@@ -19,8 +19,10 @@ its sparsity quantile, as DuoAttention and LServe split them.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from harness import params as params_lib
 from harness.envinfo import env_record
-from harness.runner import Cell, UserError, dump_yaml
-from harness.store import Cell as StoreCell
+from harness.params import GridParams
+from harness.runner import GridCell, UserError, dump_yaml
+from harness.store import CellStore
 from harness.summary import Summary, print_paths
 from systems.policies import profiles
 from tasks import ruler_data
@@ -41,9 +45,28 @@ ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "
 NEEDLE = "Remeber this sequence of words, it's the {ordinal} passkey to the vault: "
 QUESTION = "Based on the content of the book, what is the {ordinal} passkey to the vault?\nPasskey: "
 PROMPT1, PROMPT2 = "<|im_start|> This is a very long story book: <book> ", " </book>.\n\n"
-DEFAULTS = {"steps": 150, "lr": 0.02, "reg_weight": 0.05, "sink_tokens": 128, "recent_tokens": 256,
-            "context_min": 1000, "context_max": 1792, "lengths": 8, "pool": 16, "passkeys": 5, "passkey_words": 16,
-            "sparsity": 0.5, "seed": 42, "ship": False, "profile_task": "duo_attention"}
+@dataclass
+class Params(GridParams):
+    steps: int = 150
+    lr: float = 0.02
+    reg_weight: float = 0.05
+    sink_tokens: int = 128
+    recent_tokens: int = 256
+    context_min: int = 1000
+    context_max: int = 1792
+    lengths: int = 8
+    pool: int = 16
+    passkeys: int = 5
+    passkey_words: int = 16
+    sparsity: float = 0.5
+    seed: int = 42
+    ship: bool = False
+    profile_task: str = "duo_attention"
+
+
+TRAINING = ("steps", "lr", "reg_weight", "sink_tokens", "recent_tokens", "context_min", "context_max", "lengths",
+            "pool", "passkeys", "passkey_words", "seed")
+DEFAULTS = {k: getattr(Params(), k) for k in TRAINING}
 
 
 def sample_ids(tokenizer, haystack: list[int], length: int, p: dict, rng: random.Random) -> tuple[list[int], slice]:
@@ -106,11 +129,9 @@ def lr_factor(step: int, total: int) -> float:
     return min(1.0, max((step + 1) / ramp, 0.1), max((total - step) / ramp, 0.1))
 
 
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    p = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
-    unknown = sorted(set(p) - set(DEFAULTS))
-    if unknown:
-        raise UserError(f"exp.params: unknown key(s) {unknown}; valid: {sorted(DEFAULTS)}")
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    params = params_lib.parse(cfg, Params)
+    p = dataclasses.asdict(params)
     if p["context_min"] <= p["sink_tokens"] + p["recent_tokens"]:
         raise UserError("exp.params.context_min must exceed sink_tokens + recent_tokens: the streaming branch "
                         "would still see the needles")
@@ -123,8 +144,9 @@ def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaModel(model_dir, torch.float32, torch.device("cpu"))
     spec = model.spec
-    store = StoreCell(out_dir / f"duo_gates__{cfg.model.name}__steps{p['steps']}")
-    config = OmegaConf.create({"model": cfg.model, "exp": cfg.exp, "seed": cfg.seed, "gates": p})
+    store = CellStore(out_dir / f"duo_gates__{cfg.model.name}__steps{p['steps']}")
+    config = OmegaConf.create({"model": cfg.model, "exp": cfg.exp, "seed": cfg.seed,
+                               "gates": {k: p[k] for k in TRAINING}})
     if store.is_complete(dump_yaml(config)):
         return _finish(cfg, store.metrics(), p, out_dir, spec)
     store.open(dump_yaml(config), env_record(cfg.seed))
@@ -170,17 +192,31 @@ def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
     return _finish(cfg, metrics, p, out_dir, spec)
 
 
+def summarize(cfg: DictConfig, cells: list, out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    """Rebuild the summary (and the profile file beside it) from the trained gates on disk."""
+    from harness.cells import stored_metrics
+    from systems.engine.models.llama import ModelSpec
+    from harness.assets import model_dir as resolve_model_dir
+
+    p = dataclasses.asdict(params_lib.parse(cfg, Params))
+    metrics = stored_metrics(out_dir, f"duo_gates__{cfg.model.name}__steps{p['steps']}")
+    if metrics is None:
+        raise UserError(f"no trained gates under {out_dir}: run +exp=duo_attention first")
+    return _finish(cfg, metrics, {**p, "ship": False}, out_dir, ModelSpec.from_dir(resolve_model_dir(cfg.model.path)))
+
+
 def _finish(cfg, metrics: dict, p: dict, out_dir: Path, spec) -> dict:
     profile = {"kind": "lserve", "model": cfg.model.name, "task": p["profile_task"],
                "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_scores": metrics["gates"],
                "proxy": "DuoAttention gates: per KV head, the learned weight of full over streaming attention "
                         f"(sink {p['sink_tokens']} + recent {p['recent_tokens']}); high = retrieval head",
-               "training": {k: p[k] for k in DEFAULTS if k not in ("ship", "profile_task")},
+               "training": {k: p[k] for k in TRAINING},
                "train_seconds": metrics["train_seconds"], "teacher_seconds": metrics["teacher_seconds"]}
     profiles.save_profile(out_dir / "profile_lserve.json", profile)
     if p["ship"]:
         profiles.save_profile(profiles.profile_path("lserve", cfg.model.name, p["profile_task"]), profile)
-    print_paths(write_summary(cfg, metrics, p, out_dir))
+    paths = write_summary(cfg, metrics, p, out_dir)
+    print_paths(paths)
     return metrics
 
 
@@ -192,14 +228,14 @@ def write_summary(cfg, metrics: dict, p: dict, out_dir: Path) -> dict[str, str]:
     streaming = streaming_split(gates, p["sparsity"])
     per_layer = [sum(1 for layer, _ in streaming if layer == i) for i in range(gates.shape[0])]
     hist = metrics["history"]
-    summary = Summary(cfg)
+    summary = Summary(cfg, envs=[metrics["_env"]] if metrics.get("_env") else None)
     summary.glance(f"{gates.numel()} gates trained for {p['steps']} steps in {metrics['train_seconds'] / 60:.0f} min "
                    f"(+ {metrics['teacher_seconds'] / 60:.1f} min of teacher states); mean gate "
                    f"{float(gates.mean()):.2f}, {int((gates < 0.01).sum())} below 0.01 and "
                    f"{int((gates > 0.99).sum())} above 0.99; at sparsity {p['sparsity']} LServe streams "
                    f"{len(streaming)} heads; distillation loss {hist[0]['distill']:.4f} → {hist[-1]['distill']:.4f}.")
     summary.section("Training settings (DuoAttention's, scaled to 2 CPU cores)").table(
-        ["setting", "value"], [[k, str(p[k])] for k in DEFAULTS if k != "ship"]
+        ["setting", "value"], [[k, str(p[k])] for k in (*TRAINING, "sparsity")]
         + [["haystack lengths (tokens)", ", ".join(map(str, metrics["lengths"]))],
            ["sample tokens (pool)", f"{min(metrics['sample_tokens'])}–{max(metrics['sample_tokens'])}"]])
     summary.section("Gates per layer (KV heads) and LServe's streaming heads").table(

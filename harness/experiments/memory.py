@@ -1,84 +1,55 @@
-"""Device-tier KV per request vs sequence length against the analytic count (FlexiCache F9; CAKE F7 peak + latency).
-
-Also CAKE's peak device KV during prefill and decode latency vs length, cascading or not (CAKE F7).
+"""Device-tier KV per request vs sequence length against each policy's analytic count (FlexiCache F9; CAKE F7).
 
 One request at a time (essay text, EOS ignored, so every request holds exactly prompt + output - 1 tokens of KV
-when it finishes) through each engine system at each prompt length. Measured, per request: the device blocks it
+when it finishes) through each engine system at each prompt length. Measured per request: the device blocks it
 holds when it finishes (the policy's kv_stats, read just before the blocks are freed), the block manager's peak over
 the request (for CAKE the prefill peak: decoding holds a constant cache), the MinMax bytes, host-tier bytes and
 tier traffic, TTFT and the mean decode time per token (TPOT).
 
-Analytic device KV (T tokens held, P tokens per page, b = bytes of one page of one KV head, K and V):
-- dense, quest: L · Hkv · ceil(T / P) · b (Quest saves reads, not memory);
-- flexicache: (unstable heads · ceil(T / P) + stable heads · min(ceil(T / P), K + 1)) · b, MinMax on top;
-- lserve: (retrieval heads · ceil(T / P) + streaming heads · min(ceil(T / P), sink / P + local / P + 1)) · b;
-- eviction policies: L · Hkv · ceil(C / P) · b with C = min(T, budget) for policies that evict while decoding and
-  C = min(n, budget) + output - 1 for prefill-only ones (no after_append hook, or CAKE with decode_evict off).
-  Non-uniform per-layer budgets (PyramidKV, CAKE) round up once per layer: the check allows one page per
-  (layer, KV head) above the count.
-CAKE's prefill peak bound: with cascading the seen layers hold at most their budgets plus one whole layer
-(systems.policies.allocation.cascading_blocks_bound); without it the whole prompt is held, L · Hkv · ceil(n / P) · b.
+The analytic count is the policy's own answer (Policy.expected_device_blocks, with expected_blocks_slack for
+per-layer rounding; prefill_peak_blocks where prefill holds more than the result, CAKE's cascading bound): the
+harness knows no policy by name, so a new policy is checked by its own rule.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from harness import plots, report
-from harness.envinfo import env_record
-from harness.experiments.accuracy import Workspace
+from harness import params as params_lib
+from harness import plots
+from harness.accuracy_cells import Workspace
+from harness.cells import cell_config, run_cell, stored_metrics
 from harness.experiments.offline_throughput import build_requests
-from harness.runner import Cell, UserError, dump_yaml
-from harness.store import Cell as StoreCell
-from systems.policies import allocation
-from systems.policies.base import Policy
+from harness.params import GridParams
+from harness.progress import RunProgress
+from harness.runner import GridCell, UserError
+from harness.summary import Summary, cell_envs, print_paths
 
-DEFAULTS = {"lengths": [1000, 2000, 4000], "output_len": 16, "seed": 0, "warmup": True}
 MIB = 2 ** 20
 
 
-def _pages(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+@dataclass
+class Params(GridParams):
+    lengths: list[int] = field(default_factory=lambda: [1000, 2000, 4000])    # prompt tokens
+    output_len: int = 16                     # EOS ignored: each request holds prompt + output - 1 tokens at the end
+    seed: int = 0
+    warmup: bool = True
 
 
-def analytic(policy: Policy, spec: dict, n: int, out: int) -> dict[str, float]:
-    """Expected device bytes of one request with prompt n and `out` output tokens under `policy` (see docstring)."""
-    L, H, P, b = spec["layers"], spec["kv_heads"], spec["page_size"], spec["bytes_per_block"]
-    T = n + out - 1
-    minmax = L * H * _pages(T, P) * spec["minmax_bytes_per_page"]
-    res = {"tokens_held": T, "analytic_minmax_bytes": minmax, "dense_token_bytes": L * H * T * b / P,
-           "analytic_tolerance_bytes": 0}
-    name = policy.name
-    if name in ("dense", "quest"):
-        res["analytic_device_kv_bytes"] = L * H * _pages(T, P) * b
-    elif name == "flexicache":
-        n_u = int(policy.unstable.sum())
-        n_s = L * H - n_u
-        res["analytic_device_kv_bytes"] = (n_u * _pages(T, P) + n_s * min(_pages(T, P), policy.top_k + 1)) * b
-        res["analytic_tolerance_bytes"] = L * H * b                  # issue 4: within one page per head
-    elif name == "lserve":
-        n_s = int(policy.streaming.sum())
-        window = policy.sink_tokens // P + policy.local_tokens // P + 1      # sink pages + local pages + partial
-        res["analytic_device_kv_bytes"] = ((L * H - n_s) * _pages(T, P) + n_s * min(_pages(T, P), window)) * b
-        res["analytic_tolerance_bytes"] = L * H * b
-    elif hasattr(policy, "budget"):
-        prefill_only = (type(policy).after_append is Policy.after_append) or not getattr(policy, "decode_evict", True)
-        C = min(n, policy.budget) + out - 1 if prefill_only else min(T, policy.budget)
-        res["analytic_device_kv_bytes"] = L * H * _pages(C, P) * b
-        res["analytic_tolerance_bytes"] = L * H * b
-    else:
-        res["analytic_device_kv_bytes"] = math.nan       # no closed form for this policy
-    if name == "cake":
-        if policy.cascading and policy.compresses(n):
-            blocks = allocation.cascading_blocks_bound(n, policy.total, policy.window, L, P, H)
-        else:
-            blocks = L * H * _pages(n, P)
-        res["analytic_prefill_peak_bytes"] = blocks * b
-    return res
+def analytic(policy, spec: dict, n: int, out: int) -> dict[str, float]:
+    """What the policy says one request with prompt n and `out` output tokens holds on the device tier."""
+    b, T = spec["bytes_per_block"], n + out - 1
+    pages = -(-T // spec["page_size"])
+    blocks, peak = policy.expected_device_blocks(n, out), policy.prefill_peak_blocks(n)
+    return {"tokens_held": T, "analytic_minmax_bytes": spec["layers"] * spec["kv_heads"] * pages
+            * spec["minmax_bytes_per_page"], "dense_token_bytes": spec["layers"] * spec["kv_heads"] * T * b
+            / spec["page_size"], "analytic_device_kv_bytes": math.nan if blocks is None else blocks * b,
+            "analytic_tolerance_bytes": policy.expected_blocks_slack() * b,
+            "analytic_prefill_peak_bytes": None if peak is None else peak * b}
 
 
 def model_spec(system) -> dict:
@@ -90,68 +61,60 @@ def model_spec(system) -> dict:
 def measure_one(system, request) -> dict[str, Any]:
     system.reset_stats()
     (c,) = system.generate([request])
-    mem = system.memory_report()
-    spec = model_spec(system)
-    stats = c.kv_stats or {}
+    mem, spec, stats = system.memory_report(), model_spec(system), c.kv_stats or {}
+    kept = [v for row in stats.get("kept_tokens") or [] for v in row]
     return {"prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
             "device_kv_final_bytes": stats.get("device_pages", 0) * spec["bytes_per_block"],
             "device_kv_peak_bytes": mem.device_kv_peak_bytes, "host_kv_peak_bytes": mem.host_kv_peak_bytes,
             "minmax_peak_bytes": mem.extra.get("minmax_peak_bytes"), "bytes_host_to_device": mem.bytes_host_to_device,
             "bytes_device_to_host": mem.bytes_device_to_host, "ttft_s": c.ttft, "tpot_s": c.tpot, "mode": mem.mode,
-            "kept_tokens_mean": _mean_nested(stats.get("kept_tokens")), **spec}
+            "kept_tokens_mean": sum(kept) / len(kept) if kept else None, **spec}
 
 
-def _mean_nested(x) -> float | None:
-    flat = [v for row in x for v in row] if x else []
-    return sum(flat) / len(flat) if flat else None
-
-
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    p = {**DEFAULTS, **OmegaConf.to_container(cfg.exp.params, resolve=True)}
+def jobs(cells: list[GridCell], p: Params) -> list[tuple[GridCell, int, str]]:
     systems = list({c.system.name: c for c in cells}.values())       # memory has no task: one cell per system
-    bad = [c.system.name for c in systems if c.system.backend != "engine"]
+    return [(c, int(n), f"{c.key}__len{n}_out{p.output_len}") for c in systems for n in p.lengths]
+
+
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    p = params_lib.parse(cfg, Params)
+    bad = sorted({c.system.name for c in cells if c.system.backend != "engine"})
     if bad:
-        raise UserError(f"the memory experiment measures the engine's tiers; remove non-engine systems {bad} from "
-                        f"exp.systems")
-    if not p["lengths"] or min(p["lengths"]) <= 0 or p["output_len"] < 2:
+        raise UserError(f"the memory experiment measures the engine's tiers; remove {bad} from exp.systems")
+    if not p.lengths or min(p.lengths) <= 0 or p.output_len < 2:
         raise UserError("exp.params.lengths must be positive prompt lengths and exp.params.output_len >= 2")
-    if max(p["lengths"]) + p["output_len"] > cfg.model.max_model_len:
-        raise UserError(f"the longest request ({max(p['lengths'])} + {p['output_len']} tokens) exceeds "
+    if max(p.lengths) + p.output_len > cfg.model.max_model_len:
+        raise UserError(f"the longest request ({max(p.lengths)} + {p.output_len} tokens) exceeds "
                         f"model.max_model_len={cfg.model.max_model_len}; shorten exp.params.lengths")
-    ws = Workspace(cfg)
-    results = []
+    ws, todo, results = Workspace(cfg), jobs(cells, p), []
+    progress = RunProgress(len(todo), len(todo), enabled=cfg.progress)
     try:
         # one essay window, tokenized once, cut to each length: every system sees the same prompts
-        (longest,) = build_requests(ws.tokenizer, 1, max(p["lengths"]), int(p["output_len"]), p["seed"])
-        for cell in systems:
-            for n in p["lengths"]:
-                store = StoreCell(out_dir / f"{cell.key}__len{n}_out{p['output_len']}")
-                if store.is_complete():
-                    print(f"[skip] {cell.system.name} len {n}: complete on disk")
-                    results.append(store.metrics())
-                    continue
-                store.open(dump_yaml(cell.resolved(cfg)), env_record(cfg.seed))
+        (longest,) = build_requests(ws.tokenizer, 1, max(p.lengths), p.output_len, p.seed)
+        for cell, n, key in todo:
+            def work(store, cell=cell, n=n) -> dict:
                 system = ws.system(cell.system)
-                if p["warmup"]:
+                if p.warmup:
                     system.generate([replace(longest, request_id="warmup", max_new_tokens=2,
                                              prompt_token_ids=longest.prompt_token_ids[:64])])
-                req = replace(longest, request_id=f"len{n}", prompt_token_ids=longest.prompt_token_ids[:int(n)])
-                m = {"system": cell.system.name, "policy": cell.system.policy, "length": int(n),
-                     **measure_one(system, req),
-                     **analytic(system.engine.policy, model_spec(system), int(n), int(p["output_len"]))}
-                store.write_metrics(m)
-                print(f"[run] {cell.system.name} len {n}: device KV {m['device_kv_final_bytes'] / MIB:.2f} MiB "
-                      f"(analytic {m['analytic_device_kv_bytes'] / MIB:.2f}), "
-                      f"peak {m['device_kv_peak_bytes'] / MIB:.2f} MiB, TPOT {1000 * (m['tpot_s'] or 0):.1f} ms",
-                      flush=True)
-                results.append(m)
+                req = replace(longest, request_id=f"len{n}", prompt_token_ids=longest.prompt_token_ids[:n])
+                return {"system": cell.system.name, "policy": cell.system.policy, "length": n,
+                        **measure_one(system, req), **analytic(system.engine.policy, model_spec(system), n,
+                                                               p.output_len)}
+            results.append(run_cell(cfg, key, cell_config(cfg, system=cell.system, length=n), out_dir, work,
+                                    progress, f"{cell.system.name} × {n} tokens"))
     finally:
+        progress.close()
         ws.close()
-    paths = write_summary(cfg, results, p, out_dir)
-    print(Path(paths["md"]).read_text())
-    for kind, path in paths.items():
-        print(f"[{kind}] {path}")
+    summarize(cfg, cells, out_dir)
     return results
+
+
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    p = params_lib.parse(cfg, Params)
+    paths = write_summary(cfg, [m for _, _, key in jobs(cells, p) if (m := stored_metrics(out_dir, key))], out_dir)
+    print_paths(paths)
+    return paths
 
 
 def within_bound(r: dict) -> bool | None:
@@ -161,62 +124,58 @@ def within_bound(r: dict) -> bool | None:
     return abs(r["device_kv_final_bytes"] - bound) <= r["analytic_tolerance_bytes"]
 
 
-def write_summary(cfg, results: list[dict], p: dict, out_dir: Path) -> dict[str, str]:
+def write_summary(cfg, results: list[dict], out_dir: Path) -> dict[str, str]:
     systems = list(dict.fromkeys(r["system"] for r in results))
     longest = max(r["length"] for r in results)
     at_long = {r["system"]: r for r in results if r["length"] == longest}
     dense = next((r for r in at_long.values() if r["policy"] == "dense"), None)
-    glance = f"**At a glance:** device KV per request at {longest}-token prompts: " + ", ".join(
-        f"{s} {at_long[s]['device_kv_final_bytes'] / MIB:.2f} MiB"
-        + (f" ({at_long[s]['device_kv_final_bytes'] / dense['device_kv_final_bytes']:.2f}× dense)" if dense else "")
-        for s in systems if s in at_long) + "."
     ok = [within_bound(r) for r in results]
     checked = [x for x in ok if x is not None]
-    glance += f" Measured = analytic count in {sum(checked)} of {len(checked)} (system, length) points."
-    table = [[r["system"], r["length"], r["output_tokens"], r["device_kv_final_bytes"] / MIB,
-              r["analytic_device_kv_bytes"] / MIB, {True: "yes", False: "NO", None: "—"}[o],
-              r["device_kv_peak_bytes"] / MIB, (r["minmax_peak_bytes"] or 0) / MIB,
-              (r["host_kv_peak_bytes"] or 0) / MIB,
-              r["bytes_host_to_device"] / MIB, 1000 * (r["ttft_s"] or math.nan), 1000 * (r["tpot_s"] or math.nan),
-              r["mode"]] for r, o in zip(results, ok)]
-    header = ["system", "prompt", "out", "device KV MiB", "analytic MiB", "matches", "peak MiB", "MinMax MiB",
-              "host MiB", "H2D MiB", "TTFT ms", "TPOT ms", "mode"]
-    parts = [f"# {cfg.exp.name}", "", glance, "", report.md_table(header, table, 2), "",
-             "device KV = blocks the request holds when it finishes (one page of one KV head = "
-             f"{results[0]['bytes_per_block']} B); peak = the block manager's peak over the request (prefill "
-             "included); MinMax = per-page key bounds kept on the device for every page (FlexiCache's F9 count adds "
-             "them); matches = measured equals the analytic count (eviction policies: within one page per layer "
-             "and KV head for FlexiCache and eviction policies, exact for dense and Quest).", ""]
-    cake = [r for r in results if r["policy"] == "cake" or r["policy"] == "dense"]
-    if any(r["policy"] == "cake" for r in cake):
-        rows = [[r["system"], r["length"], r["device_kv_peak_bytes"] / MIB,
-                 r.get("analytic_prefill_peak_bytes", r["analytic_device_kv_bytes"]) / MIB,
-                 1000 * (r["tpot_s"] or math.nan)] for r in cake]
-        parts += ["## CAKE: peak device KV during prefill and decode latency (CAKE F7)", "",
-                  report.md_table(["system", "prompt", "peak MiB", "analytic peak MiB", "TPOT ms"], rows, 2), ""]
-    parts += [f"Regenerate: `{report.command_line(cfg)}`.", "", report.provenance(cfg), ""]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
-    report.atomic_write_text(md, "\n".join(parts))
-    report.atomic_write_text(csv_path, report.to_csv([{**r, "matches_analytic": o} for r, o in zip(results, ok)]))
-    series = lambda key, rs, scale=MIB: {s: [(r["tokens_held"], r[key] / scale) for r in rs if r["system"] == s]  # noqa
-                                         for s in dict.fromkeys(r["system"] for r in rs)}
-    paths = {"md": str(md), "csv": str(csv_path)}
-    paths["png_memory"] = plots.line_plot(
-        out_dir / "device_kv_vs_length.png", series("device_kv_final_bytes", results),
-        dashed=series("analytic_device_kv_bytes", results), xlabel="sequence length (tokens held)",
-        ylabel="device-tier KV per request (MiB, log scale)", title="Device KV vs sequence length", logy=True)
-    if any(r["policy"] == "cake" for r in cake):
-        bounds = {s: [(r["length"], r.get("analytic_prefill_peak_bytes", r["analytic_device_kv_bytes"]) / MIB)
-                      for r in cake if r["system"] == s] for s in dict.fromkeys(r["system"] for r in cake)}
-        paths["png_cake_peak"] = plots.line_plot(
-            out_dir / "cake_prefill_peak.png", {s: [(r["length"], r["device_kv_peak_bytes"] / MIB) for r in cake
-                                                     if r["system"] == s] for s in bounds}, dashed=bounds,
-            xlabel="prompt length (tokens)", ylabel="peak device KV per request (MiB)",
-            title="CAKE peak device KV during prefill, cascading vs not")
-        paths["png_cake_latency"] = plots.line_plot(
-            out_dir / "cake_decode_latency.png", {s: [(r["length"], 1000 * (r["tpot_s"] or math.nan)) for r in cake
-                                                       if r["system"] == s] for s in bounds},
-            xlabel="prompt length (tokens)", ylabel="decode time per output token (ms)",
-            title="CAKE decode latency vs length")
-    return paths
+    summary = Summary(cfg, envs=cell_envs(results))
+    summary.glance(f"device KV per request at {longest}-token prompts: " + ", ".join(
+        f"{s} {at_long[s]['device_kv_final_bytes'] / MIB:.2f} MiB"
+        + (f" ({at_long[s]['device_kv_final_bytes'] / dense['device_kv_final_bytes']:.2f}× dense)" if dense else "")
+        for s in systems if s in at_long) + f". Measured = the policy's analytic count in {sum(checked)} of "
+        f"{len(checked)} (system, length) points.")
+    summary.table(["system", "prompt", "out", "device KV MiB", "analytic MiB", "matches", "peak MiB", "MinMax MiB",
+                   "host MiB", "H2D MiB", "TTFT ms", "TPOT ms", "mode"],
+                  [[r["system"], r["length"], r["output_tokens"], r["device_kv_final_bytes"] / MIB,
+                    r["analytic_device_kv_bytes"] / MIB, {True: "yes", False: "NO", None: "—"}[o],
+                    r["device_kv_peak_bytes"] / MIB, (r["minmax_peak_bytes"] or 0) / MIB,
+                    (r["host_kv_peak_bytes"] or 0) / MIB, r["bytes_host_to_device"] / MIB,
+                    1000 * (r["ttft_s"] or math.nan), 1000 * (r["tpot_s"] or math.nan), r["mode"]]
+                   for r, o in zip(results, ok)], 2)
+    summary.text(f"device KV = blocks the request holds when it finishes (one page of one KV head = "
+                 f"{results[0]['bytes_per_block']} B); peak = the block manager's peak over the request (prefill "
+                 "included); MinMax = per-page key bounds kept on the device for every page (FlexiCache's F9 count "
+                 "adds them); matches = measured equals the policy's analytic count within its stated slack (per-"
+                 "layer rounding: one page per layer and KV head).")
+    peaks = [r for r in results if r.get("analytic_prefill_peak_bytes") is not None or r["policy"] == "dense"]
+    if any(r.get("analytic_prefill_peak_bytes") is not None for r in peaks):
+        summary.section("Peak device KV during prefill and decode latency (CAKE F7)").table(
+            ["system", "prompt", "peak MiB", "analytic peak MiB", "TPOT ms"],
+            [[r["system"], r["length"], r["device_kv_peak_bytes"] / MIB,
+              (r.get("analytic_prefill_peak_bytes") or r["analytic_device_kv_bytes"]) / MIB,
+              1000 * (r["tpot_s"] or math.nan)] for r in peaks], 2)
+    summary.csv([{**{k: v for k, v in r.items() if k != "_env"}, "matches_analytic": o} for r, o in zip(results, ok)])
+
+    def series(rs, key, x="tokens_held"):
+        return {s: [(r[x], (r[key] or math.nan) / MIB) for r in rs if r["system"] == s]
+                for s in dict.fromkeys(r["system"] for r in rs)}
+    summary.image("png_memory", plots.line_plot(
+        out_dir / "device_kv_vs_length.png", series(results, "device_kv_final_bytes"),
+        dashed=series(results, "analytic_device_kv_bytes"), xlabel="sequence length (tokens held)",
+        ylabel="device-tier KV per request (MiB, log scale)", title="Device KV vs sequence length", logy=True),
+        "device KV vs length")
+    if any(r.get("analytic_prefill_peak_bytes") is not None for r in peaks):
+        summary.image("png_cake_peak", plots.line_plot(
+            out_dir / "cake_prefill_peak.png", series(peaks, "device_kv_peak_bytes", "length"),
+            dashed=series(peaks, "analytic_prefill_peak_bytes", "length"), xlabel="prompt length (tokens)",
+            ylabel="peak device KV per request (MiB)", title="Peak device KV during prefill"), "prefill peak")
+        summary.image("png_cake_latency", plots.line_plot(
+            out_dir / "cake_decode_latency.png",
+            {s: [(r["length"], 1000 * (r["tpot_s"] or math.nan)) for r in peaks if r["system"] == s]
+             for s in dict.fromkeys(r["system"] for r in peaks)},
+            "prompt length (tokens)", "decode time per output token (ms)", "Decode latency vs length"),
+            "decode latency")
+    return summary.write(out_dir)

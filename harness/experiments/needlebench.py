@@ -6,25 +6,24 @@ cell (for M-RT, the hit rate of the needle placed at that depth). Overall scores
 own version's scoring (tasks.needlebench): v1 = 0.4 S-RT + 0.3 M-RT + 0.3 M-RS of the `score_v1` values, v2 = the
 plain mean of the `score` values; a mode missing from the grid leaves both blank.
 
-exp.params: budget (applied by the runner), reference (default engine-dense), task_params (per-task overrides, as in
-accuracy_retention).
+exp.params: harness.params.AccuracyParams (budget, reference, fidelity, task_params, ...).
 """
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness.experiments import accuracy
-from harness.experiments.accuracy_retention import with_task_params
-from harness.runner import Cell, UserError
-from harness.store import Cell as StoreCell
-from harness.summary import Summary, print_paths
+from harness import accuracy_cells as accuracy
+from harness.params import AccuracyParams
+from harness.runner import GridCell, UserError
+from harness.summary import Summary, cell_envs
 from harness.uncertainty import Estimate
 
 MODES = ("srt", "mrt", "mrs")
@@ -51,18 +50,23 @@ def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[i
     return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
 
 
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
+Params = AccuracyParams
+
+
+def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
     bad = [c.task.name for c in cells if c.task.family != "needlebench"]
     if bad:
         raise UserError(f"the needlebench experiment takes NeedleBench tasks only; remove {sorted(set(bad))} from "
                         f"exp.tasks (use +exp=accuracy_retention for other tasks)")
-    cells = with_task_params(cfg, cells)
-    labels = [c.system.name for c in cells]
-    reference = accuracy_report.reference_label(cfg, labels) or labels[0]
-    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    print_paths(write_summary(cfg, cells, metrics, rows_by_cell, out_dir))
-    return metrics
+    return accuracy.grid(cfg, cells, p)
+
+
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
+
+
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
 def _fmt_depth(d: float) -> str:
@@ -80,17 +84,15 @@ def overall(data: AccuracyData, system: str, units: dict[str, str], weights: dic
     return Estimate(point, low, high, sum(len(v) for v in vectors))
 
 
-def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dict, out_dir: Path) -> dict[str, str]:
-    params = OmegaConf.to_container(cfg.exp.params, resolve=True)
-    labels = [c.system.name for c in cells]
-    reference = params.get("reference") or accuracy_report.reference_label(cfg, labels) or labels[0]
-    data = AccuracyData(cells, labels, rows_by_cell)
+def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
+    reference = accuracy.reference_of(p, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     units = {c.task.params.mode: c.task.name for c in cells}
     modes = [m for m in MODES if m in units]
     v1 = {s: overall(data, s, units, V1_WEIGHTS, "score_v1") for s in data.systems}
     v2 = {s: overall(data, s, units, {m: 1 / 3 for m in MODES}) for s in data.systems}
-    budget = params.get("budget")
-    summary = Summary(cfg)
+    budget = p.budget
+    summary = Summary(cfg, envs=cell_envs(metrics))
     summary.glance(f"macro retention over {', '.join(LABELS[m] for m in modes)} vs `{reference}`"
                    + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)} "
                    "(`>` only where the paired 95 % interval of the difference excludes 0).")

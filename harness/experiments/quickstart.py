@@ -1,101 +1,117 @@
 """The front door (`make run`): every headline policy at one shared budget — accuracy retention beside what it buys.
 
-Part 1 scores each system on a small NeedleBench grid (S-RT, M-RT) and a few long-generation recall samples and
-divides by engine-dense on the same samples. Part 2 runs one short offline-throughput cell per system on the same
+Part 1 scores each system on a NeedleBench S-RT grid sized for narrow intervals and divides by engine-dense on the
+same samples, with teacher-forced fidelity beside. Part 2 runs one short offline-throughput cell per system on the same
 requests with the engine's device pool capped, and measures each system's device-tier KV for one request.
 """
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import accuracy_report
+from harness import params as params_lib
 from harness.accuracy_report import AccuracyData
-from harness.envinfo import env_record
-from harness.experiments import accuracy
+from harness.cells import cell_config, run_cell
+from harness import accuracy_cells as accuracy
 from harness.experiments.offline_throughput import build_requests, measure
 from harness.progress import RunProgress
-from harness.runner import Cell, apply_budget, dump_yaml, load_group
+from harness.params import AccuracyParams
+from harness.runner import GridCell, apply_budget, load_group
 from harness.schema import SystemConfig
-from harness.store import Cell as StoreCell
-from harness.summary import Summary, print_paths
+from harness.store import CellStore
+from harness.summary import Summary, cell_envs
 from systems.base import GenerationRequest
 
 REFERENCE = "engine-dense"
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 
 
-def throughput_cells(cfg: DictConfig) -> list[tuple[DictConfig, str]]:
-    tp = cfg.exp.params.throughput
-    out = []
+@dataclass
+class Throughput:
+    systems: list[str] = field(default_factory=lambda: ["dense", "flexicache", "vllm"])
+    num_requests: int = 8
+    input_len: int = 2000
+    output_len: int = 64
+    device_memory_gb: float = 0.25        # the engine's device pool, capped
+
+
+@dataclass
+class Params(AccuracyParams):
+    throughput: Throughput = field(default_factory=Throughput)
+
+
+grid = accuracy.grid
+
+
+def throughput_cells(cfg: DictConfig, p: Params) -> list[tuple[DictConfig, str]]:
+    tp, out = p.throughput, []
     for name in tp.systems:
         system = load_group("system", name, SystemConfig)
-        if cfg.exp.params.get("budget") is not None:
-            apply_budget(system, cfg.exp.params.budget)
+        if p.budget is not None:
+            apply_budget(system, p.budget)
         if system.backend == "engine":
             system.engine.device_memory_gb = tp.device_memory_gb
-        key = f"throughput__{system.name}__n{tp.num_requests}_in{tp.input_len}_out{tp.output_len}"
-        out.append((system, key))
+        out.append((system, f"throughput__{system.name}__n{tp.num_requests}_in{tp.input_len}_out{tp.output_len}"))
     return out
 
 
-def run_throughput(cfg, system_cfg, key, out_dir: Path, ws, progress: RunProgress) -> dict:
-    tp = cfg.exp.params.throughput
-    store = StoreCell(out_dir / key)
-    if store.is_complete():
-        progress.skip_cell(key)
-        return store.metrics()
-    resolved = OmegaConf.create({"model": cfg.model, "system": system_cfg, "exp": cfg.exp, "seed": cfg.seed})
-    store.open(dump_yaml(resolved), env_record(cfg.seed))
-    progress.start_cell(f"{system_cfg.name} × offline throughput", 0, tp.num_requests)
-    reqs = build_requests(ws.tokenizer, tp.num_requests, tp.input_len, tp.output_len, cfg.seed)
-    system = ws.system(system_cfg)
-    system.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
-    single = measure(system, reqs[:1])  # what one request holds on the device tier
-    batch = measure(system, reqs)
-    progress.advance(tp.num_requests)
-    progress.end_cell()
-    m = {"system": system_cfg.name, **batch, "device_kv_bytes_per_request": single["device_kv_peak_bytes"],
-         "device_kv_capacity_bytes": batch["memory"].get("device_kv_capacity_bytes")}
-    store.write_metrics(m)
-    return m
+def throughput_work(cfg, p: Params, system_cfg, ws):
+    def work(store) -> dict:
+        tp = p.throughput
+        reqs = build_requests(ws.tokenizer, tp.num_requests, tp.input_len, tp.output_len, cfg.seed)
+        system = ws.system(system_cfg)
+        system.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
+        single = measure(system, reqs[:1])  # what one request holds on the device tier
+        batch = measure(system, reqs)
+        return {"system": system_cfg.name, **batch, "device_kv_bytes_per_request": single["device_kv_peak_bytes"],
+                "device_kv_capacity_bytes": batch["memory"].get("device_kv_capacity_bytes")}
+    return work
 
 
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
-    tcells = throughput_cells(cfg)
-    labels = [c.system.name for c in cells]
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    p = params_lib.parse(cfg, Params)
+    cells, labels = grid(cfg, cells, p)
+    tcells = throughput_cells(cfg, p)
     plans = accuracy.fidelity_plans(cfg, cells, labels, REFERENCE, out_dir)
     ws = accuracy.Workspace(cfg)
     try:
         results, pending = accuracy.plan_cells(cfg, cells, out_dir, ws)
-        tp_left = sum(cfg.exp.params.throughput.num_requests for _, k in tcells
-                      if not StoreCell(out_dir / k).is_complete())
-        progress = RunProgress(len(cells) + len(tcells), sum(p[3] for p in pending) + tp_left,
-                               enabled=cfg.progress)
+        tp_left = sum(p.throughput.num_requests for _, k in tcells if not CellStore(out_dir / k).is_complete())
+        progress = RunProgress(len(cells) + len(tcells), sum(x[3] for x in pending) + tp_left, enabled=cfg.progress)
         try:
             acc = accuracy.execute_cells(cfg, cells, results, pending, out_dir, ws, progress, plans)
-            tput = [run_throughput(cfg, s, k, out_dir, ws, progress) for s, k in tcells]
+            tput = [run_cell(cfg, key, cell_config(cfg, system=s), out_dir, throughput_work(cfg, p, s, ws), progress,
+                             f"{s.name} × offline throughput", p.throughput.num_requests) for s, key in tcells]
         finally:
             progress.close()
     finally:
         ws.close()
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    print_paths(write_summary(cfg, cells, acc, rows_by_cell, tput, out_dir))
+    summarize(cfg, cells, out_dir, p=p, grid_done=(cells, labels))
     return {"accuracy": acc, "throughput": tput}
 
 
-def write_summary(cfg, cells, acc: list[dict], rows_by_cell: dict, tput: list[dict], out_dir: Path) -> dict[str, str]:
-    data = AccuracyData(cells, [c.system.name for c in cells], rows_by_cell)
-    budget = cfg.exp.params.get("budget")
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True, p=None,
+              grid_done=None) -> dict[str, str]:
+    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code, p, grid_done)
+
+
+def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Path) -> dict[str, str]:
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
+    tput = [CellStore(out_dir / key).metrics() for _, key in throughput_cells(cfg, p)
+            if (out_dir / key / "metrics.json").is_file()]
+    budget = p.budget
     ref_tp = next((t for t in tput if t["system"] == REFERENCE), None)
     for t in tput:
         t["tok_s_ratio"] = t["output_tok_s"] / ref_tp["output_tok_s"] if ref_tp else None
         t["kv_ratio"] = (t["device_kv_bytes_per_request"] / ref_tp["device_kv_bytes_per_request"]
                          if ref_tp and ref_tp["device_kv_bytes_per_request"] and t["device_kv_bytes_per_request"]
                          else None)
-    tp = cfg.exp.params.throughput
+    tp = p.throughput
     bullets = [f"accuracy retention vs {REFERENCE} (macro mean over {len(data.usable(REFERENCE))} task units): "
                f"{data.ranking(REFERENCE)}"]
     if data.has("fid_top1"):
@@ -104,11 +120,12 @@ def write_summary(cfg, cells, acc: list[dict], rows_by_cell: dict, tput: list[di
         if t["system"] != REFERENCE and t["kv_ratio"] is not None and t["tok_s_ratio"] is not None:
             bullets.append(f"{t['system']} holds {t['kv_ratio']:.2f}× {REFERENCE}'s device KV per request at "
                            f"{t['tok_s_ratio']:.2f}× its output tokens/s")
-    summary = Summary(cfg, f"{cfg.exp.name}: KV policies at one shared budget on SmolLM2-135M-Instruct")
+    summary = Summary(cfg, f"{cfg.exp.name}: KV policies at one shared budget on SmolLM2-135M-Instruct",
+                      envs=cell_envs(acc))
     summary.glance(f"at a shared budget of {budget} tokens per layer and KV head (`>`: the paired 95 % interval of "
                    "the difference excludes 0; `≈`: indistinguishable at this n):", bullets)
-    summary.text(f"**Why this size:** {cfg.exp.params.get('size_reason', '')}")
-    summary.text(f"**Why {budget} tokens:** {cfg.exp.params.get('budget_reason', '')}")
+    summary.text(f"**Why this size:** {p.size_reason}")
+    summary.text(f"**Why {budget} tokens:** {p.budget_reason}")
     accuracy_report.standard_sections(summary, data, REFERENCE, out_dir, plot_name="quickstart_retention.png")
     tp_table = [[t["system"], t["output_tok_s"], t["total_tok_s"], (t["device_kv_bytes_per_request"] or 0) / 2**20,
                  t["tok_s_ratio"], t["kv_ratio"], t["mode"]] for t in tput]

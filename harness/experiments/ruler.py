@@ -12,20 +12,20 @@ min_reference_score, fidelity, task_params (as accuracy_retention), size_reason 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness.experiments import accuracy
-from harness.experiments.accuracy_retention import with_task_params
-from harness.runner import Cell, UserError
-from harness.store import Cell as StoreCell
-from harness.summary import Summary, print_paths
+from harness import accuracy_cells as accuracy
+from harness.params import AccuracyParams
+from harness.runner import GridCell, UserError
+from harness.summary import Summary, cell_envs
 from harness.uncertainty import Estimate
 
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
@@ -36,17 +36,22 @@ def task_length(task: str, row: dict) -> str:
     return f"{row['meta']['ruler_task']}@{row['meta']['length']}"
 
 
-def run(cfg: DictConfig, cells: list[Cell], out_dir: Path) -> Any:
+Params = AccuracyParams
+
+
+def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
     bad = sorted({c.task.name for c in cells if c.task.family != "ruler"})
     if bad:
         raise UserError(f"the ruler experiment takes RULER tasks only; remove {bad} from exp.tasks")
-    cells = with_task_params(cfg, cells)
-    labels = [c.system.name for c in cells]
-    reference = accuracy_report.reference_label(cfg, labels) or labels[0]
-    metrics = accuracy.run_cells(cfg, cells, out_dir, labels, reference)
-    rows_by_cell = {c.key: StoreCell(out_dir / c.key).rows() for c in cells}
-    print_paths(write_summary(cfg, cells, metrics, rows_by_cell, out_dir))
-    return metrics
+    return accuracy.grid(cfg, cells, p)
+
+
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
+
+
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
 def _grid(data: AccuracyData) -> tuple[list[str], list[int]]:
@@ -74,12 +79,9 @@ def average_ratio(data: AccuracyData, system: str, reference: str, units: Sequen
     return Estimate(point, low, high, sum(len(p) for p, _ in pairs))
 
 
-def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dict, out_dir: Path) -> dict[str, str]:
-    params = OmegaConf.to_container(cfg.exp.params, resolve=True)
-    labels = [c.system.name for c in cells]
-    reference = params.get("reference") or accuracy_report.reference_label(cfg, labels) or labels[0]
-    data = AccuracyData(cells, labels, rows_by_cell, float(params.get("min_reference_score", 5.0)),
-                        unit_of=task_length)
+def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
+    reference = accuracy.reference_of(p, labels) or labels[0]
+    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score, unit_of=task_length)
     tasks, lengths = _grid(data)
     at = {L: [f"{t}@{L}" for t in tasks] for L in lengths}
     avg = {s: {**{L: length_average(data, s, at[L]) for L in lengths},
@@ -87,8 +89,8 @@ def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dic
     others = [s for s in data.systems if s != reference]
     ratio = {s: {**{L: average_ratio(data, s, reference, at[L]) for L in lengths},
                  "all": average_ratio(data, s, reference, data.units)} for s in others}
-    budget = params.get("budget")
-    summary = Summary(cfg)
+    budget = p.budget
+    summary = Summary(cfg, envs=cell_envs(metrics))
     bullets = [f"RULER average ({len(tasks)} tasks × {len(lengths)} lengths, 0–100): "
                + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
     if others:
@@ -98,8 +100,8 @@ def write_summary(cfg, cells: list[Cell], metrics: list[dict], rows_by_cell: dic
         bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
     summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
                    "at this n.", bullets)
-    if params.get("size_reason"):
-        summary.text(f"**Why this size:** {params['size_reason']}")
+    if p.size_reason:
+        summary.text(f"**Why this size:** {p.size_reason}")
     summary.section("RULER average per length (mean over tasks, 0–100, 95 % CI)").table(
         ["system", *[f"{L}" for L in lengths], "average", "n"],
         [[s, *[avg[s][L].fmt(1, with_n=False) for L in lengths], avg[s]["all"].fmt(1, with_n=False),

@@ -1,6 +1,8 @@
 """Runs the model over a prefill or decode batch, storing K/V in pages and calling the policy hooks per layer."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -8,14 +10,16 @@ from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
 from systems.engine.sequence import Sequence
-from systems.policies.base import DecodeStep, Policy
+from systems.policies.base import DecodeStep, Policy, SeqInfo
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: TieredKVCache, policy: Policy, attention_ops,
+    def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops,
                  batch_invariant: bool = False):
+        """`model` may be None for a runner that only runs decode_layer (decode_microbench)."""
         self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops
-        self.device = model.device
+        self.device = model.device if model is not None else kv.device
+        self.last_selected: torch.Tensor | None = None     # the last layer's page sets (microbenchmarks count them)
         # fixed matmul shapes per phase (see config.PREFILL_TILE): a row's numbers never depend on its batch
         self.prefill_tile = PREFILL_TILE if batch_invariant else None
         self.decode_tile = DECODE_TILE if batch_invariant else None
@@ -55,25 +59,41 @@ class ModelRunner:
         positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         infos = [s.info() for s in seqs]
-        kv, policy, ops = self.kv, self.policy, self.ops
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            kv.append_decode(slots, layer, k, v)
-            step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
-            selected = policy.select_pages(kv, step)
-            if selected is None:
-                table, counts = kv.decode_tables(slots, layer)
-                out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
-            else:
-                table, counts = kv.block_table[slots, layer], kv.num_tokens[slots, layer]
-                if selected.shape[1] != table.shape[1]:
-                    # per-query-head page sets: each query head gets its KV head's table row and reads only its
-                    # own pages (a group of one), from the same grouped K/V pools
-                    group = selected.shape[1] // table.shape[1]
-                    table, counts = table.repeat_interleave(group, 1), counts.repeat_interleave(group, 1)
-                out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, selected, kv.scale)
-            policy.after_append(kv, step)
-            return out
+            return self.decode_layer(layer, q, k, v, slots, infos)
 
         hidden = self.model.forward(ids, positions, attend, tile=self.decode_tile)
         return self.model.logits(hidden, tile=self.decode_tile)
+
+    def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     infos: list[SeqInfo], clock: Callable[[str], None] | None = None) -> torch.Tensor:
+        """One layer of a decode step, as the engine runs it: append the new K/V, ask the policy which pages each
+        head reads, attend to exactly those (all pages when it answers None), let the policy evict or promote.
+        `clock(phase)` is called after append, select, attention and after_append (decode_microbench times them)."""
+        kv, policy, ops = self.kv, self.policy, self.ops
+        kv.append_decode(slots, layer, k, v)
+        if clock:
+            clock("append")
+        step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
+        selected = policy.select_pages(kv, step)
+        if clock:
+            clock("select")
+        if selected is None:
+            table, counts = kv.decode_tables(slots, layer)
+            out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
+        else:
+            table, counts = kv.block_table[slots, layer], kv.num_tokens[slots, layer]
+            if selected.shape[1] != table.shape[1]:
+                # per-query-head page sets: each query head gets its KV head's table row and reads only its own
+                # pages (a group of one), from the same grouped K/V pools
+                group = selected.shape[1] // table.shape[1]
+                table, counts = table.repeat_interleave(group, 1), counts.repeat_interleave(group, 1)
+            out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, selected, kv.scale)
+        self.last_selected = selected
+        if clock:
+            clock("attention")
+        policy.after_append(kv, step)
+        if clock:
+            clock("after_append")
+        return out

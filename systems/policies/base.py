@@ -64,10 +64,10 @@ class DecodeStep:
     q: torch.Tensor         # [B, Hq, D] post-RoPE queries of the new token
 
 
-class KVView(Protocol):
-    """The engine's KV storage as a policy sees it (implemented by the engine's tiered KV cache)."""
+class KVDims(Protocol):
+    """The model's attention shape and the engine's paging: what a policy may know before any storage exists."""
 
-    page_size: int
+    page_size: int                      # tokens per page: the engine's (engine.page_size), read by every policy
     num_layers: int
     num_q_heads: int
     num_kv_heads: int
@@ -76,6 +76,11 @@ class KVView(Protocol):
     device: torch.device
     dtype: torch.dtype
     scale: float                        # softmax scale of the model's attention (1/sqrt(head_dim))
+
+
+class KVView(KVDims, Protocol):
+    """The engine's KV storage as a policy sees it (implemented by the engine's tiered KV cache)."""
+
     k_pool: torch.Tensor
     v_pool: torch.Tensor
     host_k_pool: torch.Tensor
@@ -159,6 +164,43 @@ class Policy:
     name: ClassVar[str] = "base"
     mode: ClassVar[str] = "physical"    # 'simulated' if savings are only masked
 
+    # ---- what the harness asks a policy (defaults here; a policy overrides what differs) ----------------------------
+    @classmethod
+    def has_budget(cls) -> bool:
+        """Whether one shared token budget applies to this policy (a `budget` hyperparameter)."""
+        return "budget" in {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def with_budget(cls, params: dict[str, Any], budget: int) -> dict[str, Any]:
+        """`params` with a shared token budget applied: how the budget maps onto this policy's knobs."""
+        return {**params, "budget": budget} if cls.has_budget() else dict(params)
+
+    @classmethod
+    def with_heldout_task(cls, params: dict[str, Any], task: str) -> dict[str, Any]:
+        """`params` for evaluating `task`: a policy profiled on tasks holds the evaluated one out of its profile."""
+        return dict(params)
+
+    @classmethod
+    def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
+        """Parameters that let the policy run without a profile of the model (microbenchmarks on synthetic KV):
+        only how many heads play each role matters there, not which."""
+        return {}
+
+    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        """Device blocks one request holds when it finishes (prompt_len + output_tokens - 1 tokens stored), by this
+        policy's rule: the analytic count `+exp=memory` checks the engine against. Default: every page of every
+        (layer, KV head) resident. None: no closed form."""
+        return self.num_layers * self.num_kv_heads * -(-(prompt_len + output_tokens - 1) // self.page_size)
+
+    def expected_blocks_slack(self) -> int:
+        """How far the measured count may sit from expected_device_blocks (per-layer rounding, partial pages)."""
+        return 0
+
+    def prefill_peak_blocks(self, prompt_len: int) -> int | None:
+        """Bound on the blocks a request holds at any moment of its prefill, when it differs from holding the whole
+        prompt (CAKE's cascading); None otherwise."""
+        return None
+
     @classmethod
     def from_params(cls, params: dict[str, Any] | None) -> "Policy":
         """Build from a config dict; unknown keys fail in one line naming the valid ones."""
@@ -169,12 +211,18 @@ class Policy:
             raise ValueError(f"policy '{cls.name}': unknown params {unknown}; valid keys: {valid or 'none'}")
         return cls(**params)
 
+    def configure(self, dims: KVDims) -> None:
+        """Learn the model's shape and the page size, and derive everything that needs no storage (head roles from
+        a profile, per-layer budgets): enough for device_blocks_needed, so the harness can check a request fits the
+        device pool before any model loads. Overrides call super().configure(dims) and raise ValueError with a
+        one-line message for a setting that cannot work with these dims."""
+        self.num_layers, self.num_kv_heads = dims.num_layers, dims.num_kv_heads
+        self.num_q_heads, self.head_dim, self.page_size = dims.num_q_heads, dims.head_dim, dims.page_size
+
     def bind(self, kv: KVView) -> None:
-        """Called once before any request, with the storage the policy will act on (model dims, page size).
-        Overrides call super().bind(kv)."""
-        self.num_layers = kv.num_layers
-        self.num_kv_heads = kv.num_kv_heads
-        self.page_size = kv.page_size
+        """Called once before any request, with the storage the policy will act on: configure, then allocate
+        per-slot state. Overrides call super().bind(kv)."""
+        self.configure(kv)
 
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """Device blocks that must be free to admit a request with this prefill length: an upper bound on what it

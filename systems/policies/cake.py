@@ -110,6 +110,21 @@ class Cake(Policy):
             return alloc.pyramid_budgets(n, self.budget, self.window, L, self.beta)[:seen]
         return alloc.random_budgets(L, self.total, cap, self.seed)[:seen]
 
+    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        """Decode holds each layer at its budget (B_l + S_w, `budget` on average); without decode eviction the
+        decode tokens are appended to what prefill kept."""
+        T = prompt_len + output_tokens - 1
+        held = min(T, self.budget) if self.decode_evict else min(prompt_len, self.budget) + output_tokens - 1
+        return self.num_layers * self.num_kv_heads * -(-held // self.page_size)
+
+    def expected_blocks_slack(self) -> int:
+        return self.num_layers * self.num_kv_heads      # non-uniform per-layer budgets round up once per layer
+
+    def prefill_peak_blocks(self, prompt_len: int) -> int | None:
+        """With cascading the seen layers hold at most their budgets plus one whole layer; without it the whole
+        prompt is held until the last layer."""
+        return self.device_blocks_needed(prompt_len, 0)
+
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         if not (self.cascading and self.compresses(prompt_len)):
             return super().device_blocks_needed(prompt_len, max_new_tokens)

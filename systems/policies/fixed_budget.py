@@ -12,6 +12,14 @@ class FixedBudget(Policy):
     """Admission footprint: the whole prompt when it fits the budget, else the transient bound of one full layer
     plus `budget` tokens for every other layer (eviction runs layer by layer during prefill)."""
 
+    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        """Evicting while decoding keeps every layer at `budget` tokens once it is reached."""
+        held = min(prompt_len + output_tokens - 1, self.budget)
+        return self.num_layers * self.num_kv_heads * -(-held // self.page_size)
+
+    def expected_blocks_slack(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         if prompt_len <= self.budget:
             return super().device_blocks_needed(prompt_len, max_new_tokens)

@@ -1,6 +1,6 @@
 """FlexiCache: stable KV heads keep only their top-K pages on the device (full KV on the host), unstable heads keep all.
 
-Follows NazmulTakbir/FlexiCache-vLLM-extension (methods.md §12). Unstable heads (a profile's 25 %) keep every page
+Follows NazmulTakbir/FlexiCache-vLLM-extension. Unstable heads (a profile's 25 %) keep every page
 on the device and read their Quest top-K every step. Stable heads copy every full page to the host once; they read
 whatever they hold on the device and rerank at decode step 1 and every R steps: every page is scored from the MinMax
 cache (offloaded pages too), and only pages newly in the top-K cross host -> device, each into the block of a page
@@ -26,13 +26,12 @@ from typing import Any
 import torch
 
 from systems.policies import profiles, selection
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
 
 
 @dataclass
 class FlexiCache(Policy):
-    budget: int = 1024                # tokens of a stable head's device top-K, K = budget // page_size (64 pages)
-    page_size: int = 16               # FlexiCache's block; must equal engine.page_size
+    budget: int = 1024                # tokens of a stable head's device top-K, K = budget // engine.page_size (64)
     rerank_interval: int = 16         # R (--rerank-frequency 16); unstable heads rerank every step
     profile_model: str = "smollm2-135m-instruct"
     profile_tasks: list = field(default_factory=lambda: ["needlebench_mrt", "needlebench_srt"])  # preference
@@ -43,10 +42,15 @@ class FlexiCache(Policy):
 
     name = "flexicache"
 
+    @classmethod
+    def with_heldout_task(cls, params: dict[str, Any], task: str) -> dict[str, Any]:
+        """Leave-one-out (the official GovReport / paper_assistant rule): never the evaluated task's own profile."""
+        return {**params, "heldout_task": task} if params.get("heldout_task") is None else dict(params)
+
     def __post_init__(self) -> None:
-        if self.budget < self.page_size or self.page_size <= 0 or self.rerank_interval < 1:
-            raise ValueError(f"flexicache: need budget >= page_size > 0 and rerank_interval >= 1, got budget="
-                             f"{self.budget} page_size={self.page_size} rerank_interval={self.rerank_interval}")
+        if self.budget <= 0 or self.rerank_interval < 1:
+            raise ValueError(f"flexicache: need budget > 0 and rerank_interval >= 1, got budget={self.budget} "
+                             f"rerank_interval={self.rerank_interval}")
         self.profile_tasks = [str(t) for t in self.profile_tasks]
         if self.unstable_heads is not None:
             self.unstable_heads = [[int(x) for x in pair] for pair in self.unstable_heads]
@@ -60,21 +64,24 @@ class FlexiCache(Policy):
         return self.budget // self.page_size
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def bind(self, kv: KVView) -> None:
-        if kv.page_size != self.page_size:
-            raise ValueError(f"flexicache: params.page_size={self.page_size} but engine.page_size={kv.page_size}; "
-                             f"set both to the same value")
-        super().bind(kv)
-        heads, self.profile_source = self._unstable_list(kv)
-        self.unstable = torch.zeros(kv.num_layers, kv.num_kv_heads, dtype=torch.bool, device=kv.device)
+    def configure(self, dims: KVDims) -> None:
+        super().configure(dims)
+        if self.budget < dims.page_size:
+            raise ValueError(f"flexicache: budget={self.budget} is less than one page (engine.page_size="
+                             f"{dims.page_size}); raise params.budget")
+        heads, self.profile_source = self._unstable_list(dims)
+        self.unstable = torch.zeros(dims.num_layers, dims.num_kv_heads, dtype=torch.bool, device=dims.device)
         for layer, head in heads:
             self.unstable[layer, head] = True
         self._unstable_cpu = self.unstable.cpu()
         self._stable_heads = [(~row).nonzero().view(-1) for row in self.unstable]
         self._unstable_heads = [row.nonzero().view(-1) for row in self.unstable]
-        self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
         # select_pages stacks [stable heads, unstable heads]; this gathers them back into head order
         self._head_order = [torch.cat([s, u]).argsort() for s, u in zip(self._stable_heads, self._unstable_heads)]
+
+    def bind(self, kv: KVView) -> None:
+        super().bind(kv)
+        self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
         elem = kv.k_pool.element_size()
         self.bytes_per_block = 2 * kv.page_size * kv.head_dim * elem
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
@@ -82,7 +89,7 @@ class FlexiCache(Policy):
         self._pending: dict[int, tuple] = {}
         self._held: dict[int, tuple] = {}         # layer -> (batch key, stable heads' resident pages)
 
-    def _unstable_list(self, kv: KVView) -> tuple[list[tuple[int, int]], str]:
+    def _unstable_list(self, kv: KVDims) -> tuple[list[tuple[int, int]], str]:
         if self.unstable_heads is not None:
             return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
         path = self._profile_path
@@ -100,6 +107,21 @@ class FlexiCache(Policy):
         settled = int((n_unstable * pages + n_stable * kept).sum())
         transient = int(n_stable.max()) * (pages - kept)                 # one layer's stable heads before release
         return settled + transient
+
+    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        """Unstable heads hold every page; stable heads their top-K pages plus the partial last one."""
+        pages = -(-(prompt_len + output_tokens - 1) // self.page_size)
+        n_unstable = int(self._unstable_cpu.sum())
+        n_stable = self.num_layers * self.num_kv_heads - n_unstable
+        return n_unstable * pages + n_stable * min(pages, self.top_k + 1)
+
+    def expected_blocks_slack(self) -> int:
+        return self.num_layers * self.num_kv_heads      # a reranked page in flight: within one page per head
+
+    @classmethod
+    def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
+        """FlexiCache's share of unstable heads (25 %), taken as the first heads of every layer."""
+        return {"unstable_heads": [[layer, h] for layer in range(num_layers) for h in range(round(0.25 * num_kv_heads))]}
 
     def reset(self, slot: int) -> None:
         self._held.clear()

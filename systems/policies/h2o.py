@@ -30,6 +30,11 @@ class H2O(LedgerBudget):
     recent_size: Optional[int] = None   # None = budget // 2 (H2O's heavy_ratio = recent_ratio); class default 512
     aggregation: str = "sum"            # over the GQA group: sum | mean | max
 
+    @classmethod
+    def with_budget(cls, params: dict[str, Any], budget: int) -> dict[str, Any]:
+        """A shared budget splits into heavy and recent halves (the recent size follows the budget)."""
+        return {**params, "budget": budget, "recent_size": None}
+
     def __post_init__(self):
         self.recent = self.budget // 2 if self.recent_size is None else self.recent_size
         if not 0 <= self.recent < self.budget:

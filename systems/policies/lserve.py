@@ -25,13 +25,12 @@ from typing import Any
 import torch
 
 from systems.policies import profiles, selection
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
 
 
 @dataclass
 class LServe(Policy):
     budget: int = 4096              # tokens per step and retrieval head (dynamic_sparse_token_budget)
-    page_size: int = 16             # logical page (sub_chunk of a physical page); must equal engine.page_size
     physical_page: int = 64         # block_size: the selection unit, sub_chunk_per_block = 64 / 16 = 4
     sink_tokens: int = 128          # --dec-sink-token
     local_tokens: int = 256         # --dec-local-token
@@ -46,11 +45,7 @@ class LServe(Policy):
     name = "lserve"
 
     def __post_init__(self) -> None:
-        p = self.page_size
-        if p <= 0 or self.physical_page % p or self.sink_tokens % p or self.local_tokens % p:
-            raise ValueError(f"lserve: physical_page, sink_tokens and local_tokens must be multiples of page_size="
-                             f"{p}, got {self.physical_page}, {self.sink_tokens}, {self.local_tokens}")
-        if self.budget <= 0 or self.budget % self.physical_page:
+        if self.budget <= 0 or self.physical_page <= 0 or self.budget % self.physical_page:
             raise ValueError(f"lserve: budget must be a positive multiple of physical_page={self.physical_page}, "
                              f"got {self.budget}")
         if self.granularity not in ("query_head", "kv_head"):
@@ -66,27 +61,31 @@ class LServe(Policy):
                              f"exp.params.ship=true` or set params.streaming_heads")
 
     # ---- setup ---------------------------------------------------------------------------------------------------
-    def bind(self, kv: KVView) -> None:
-        if kv.page_size != self.page_size:
-            raise ValueError(f"lserve: params.page_size={self.page_size} but engine.page_size={kv.page_size}; "
-                             f"set both to the same value")
-        super().bind(kv)
-        self.streaming = torch.zeros(kv.num_layers, kv.num_kv_heads, dtype=torch.bool)
-        for layer, head in self._streaming_list(kv):
+    def configure(self, dims: KVDims) -> None:
+        super().configure(dims)
+        p = dims.page_size
+        if self.physical_page % p or self.sink_tokens % p or self.local_tokens % p:
+            raise ValueError(f"lserve: physical_page, sink_tokens and local_tokens must be multiples of "
+                             f"engine.page_size={p}, got {self.physical_page}, {self.sink_tokens}, {self.local_tokens}")
+        self.streaming = torch.zeros(dims.num_layers, dims.num_kv_heads, dtype=torch.bool)
+        for layer, head in self._streaming_list(dims):
             self.streaming[layer, head] = True
-        self._streaming_dev = self.streaming.to(kv.device)
+        self._streaming_dev = self.streaming.to(dims.device)
         # selection units: every query head (each with its own choice) or every KV head (one choice per group)
-        self._group = kv.num_q_heads // kv.num_kv_heads if self.granularity == "query_head" else 1
+        self._group = dims.num_q_heads // dims.num_kv_heads if self.granularity == "query_head" else 1
         self._unit_streaming = self._streaming_dev.repeat_interleave(self._group, dim=1)      # [L, units]
-        self._unit_kv = torch.arange(kv.num_kv_heads, device=kv.device).repeat_interleave(self._group)
-        self.sub = self.physical_page // self.page_size
-        self.sink_pages, self.local_pages = self.sink_tokens // self.page_size, self.local_tokens // self.page_size
+        self._unit_kv = torch.arange(dims.num_kv_heads, device=dims.device).repeat_interleave(self._group)
+        self.sub = self.physical_page // p
+        self.sink_pages, self.local_pages = self.sink_tokens // p, self.local_tokens // p
+
+    def bind(self, kv: KVView) -> None:
+        super().bind(kv)
         slots, phys = kv.block_table.shape[0], -(-kv.max_pages // self.sub)
         self._chosen = torch.zeros(slots, kv.num_layers, kv.num_kv_heads * self._group, phys, dtype=torch.bool,
                                    device=kv.device)
         self._has_choice = torch.zeros(slots, kv.num_layers, dtype=torch.bool, device=kv.device)
 
-    def _streaming_list(self, kv: KVView) -> list[tuple[int, int]]:
+    def _streaming_list(self, kv: KVDims) -> list[tuple[int, int]]:
         if self.streaming_heads is not None:
             return profiles.head_list(self.streaming_heads, kv.num_layers, kv.num_kv_heads, "lserve")
         path = self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)
@@ -105,6 +104,20 @@ class LServe(Policy):
         n_stream = self.streaming.sum(-1)
         settled = int(((self.num_kv_heads - n_stream) * pages + n_stream * self._kept_pages(pages)).sum())
         return settled + int(n_stream.max()) * (pages - self._kept_pages(pages))
+
+    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        """Retrieval heads hold every page; streaming heads the sink pages, the local window and the partial page."""
+        pages = -(-(prompt_len + output_tokens - 1) // self.page_size)
+        n_stream = int(self.streaming.sum())
+        return (self.num_layers * self.num_kv_heads - n_stream) * pages + n_stream * self._kept_pages(pages)
+
+    def expected_blocks_slack(self) -> int:
+        return self.num_layers * self.num_kv_heads
+
+    @classmethod
+    def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
+        """LServe's default sparsity: half the KV heads stream, taken as the first heads of every layer."""
+        return {"streaming_heads": [[layer, h] for layer in range(num_layers) for h in range(round(0.5 * num_kv_heads))]}
 
     def reset(self, slot: int) -> None:
         if hasattr(self, "_has_choice"):

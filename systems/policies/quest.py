@@ -16,13 +16,12 @@ from typing import Any
 import torch
 
 from systems.policies import selection
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
 
 
 @dataclass
 class Quest(Policy):
-    budget: int = 1024        # tokens read per step and KV head (= pages x page_size); scripts sweep 512..4096
-    page_size: int = 16       # Quest's chunk size; must equal engine.page_size (the MinMax granularity)
+    budget: int = 1024        # tokens read per step and KV head (= pages x engine.page_size, Quest's 16-token chunks)
     skip_layers: int = 2      # `_quest_skip_layer = 2`: the first layers attend densely
     min_pages: int = 3        # `max(3, token_budget // 16)`
     granularity: str = "query_head"   # query_head (official accuracy path) | kv_head (one set per KV head)
@@ -32,19 +31,21 @@ class Quest(Policy):
     def __post_init__(self) -> None:
         if self.granularity not in ("query_head", "kv_head"):
             raise ValueError(f"quest: granularity must be query_head or kv_head, got {self.granularity!r}")
-        if self.budget <= 0 or self.page_size <= 0 or self.min_pages < 1 or self.skip_layers < 0:
-            raise ValueError(f"quest: budget, page_size, min_pages must be positive and skip_layers >= 0, got "
-                             f"budget={self.budget} page_size={self.page_size} min_pages={self.min_pages} "
-                             f"skip_layers={self.skip_layers}")
+        if self.budget <= 0 or self.min_pages < 1 or self.skip_layers < 0:
+            raise ValueError(f"quest: budget and min_pages must be positive and skip_layers >= 0, got "
+                             f"budget={self.budget} min_pages={self.min_pages} skip_layers={self.skip_layers}")
 
     @property
     def pages_per_step(self) -> int:
         return max(self.min_pages, self.budget // self.page_size)
 
+    def configure(self, dims: KVDims) -> None:
+        super().configure(dims)
+        if self.budget % dims.page_size:
+            raise ValueError(f"quest: budget={self.budget} is not a whole number of engine.page_size={dims.page_size}"
+                             f" pages; use e.g. {self.budget - self.budget % dims.page_size or dims.page_size}")
+
     def bind(self, kv: KVView) -> None:
-        if kv.page_size != self.page_size:
-            raise ValueError(f"quest: params.page_size={self.page_size} but engine.page_size={kv.page_size}; "
-                             f"set both to the same value")
         super().bind(kv)
         slots = kv.block_table.shape[0]
         # pages read per slot: host ints for dense steps and KV-head sets (no device op), a device tensor for the

@@ -47,6 +47,14 @@ class SnapKV(Policy):
             return None
         return alloc.uniform_budgets(self.budget - self.window, self.num_layers)
 
+    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        """Prefill-only: min(prompt, budget) tokens after prefill, then every decode token appended."""
+        held = min(prompt_len, self.budget) + output_tokens - 1
+        return self.num_layers * self.num_kv_heads * -(-held // self.page_size)
+
+    def expected_blocks_slack(self) -> int:
+        return self.num_layers * self.num_kv_heads      # per-layer budgets round up to pages once per layer
+
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         budgets = self.layer_budgets(prompt_len)
         if budgets is None:

@@ -5,7 +5,7 @@ Follows mit-han-lab/streaming-llm (`start_size` 4; `recent_size` 2000 in `exampl
 decode step then drops the oldest non-sink token, so the layer stays at `budget` after the step (the step itself
 attends to budget + 1, as any post-attention hook). Positions: keys keep their original RoPE positions, as in
 KVCache-Factory and kvpress; the official re-rotates cached keys to positions inside the cache, which a cache of
-post-RoPE keys cannot do (see ../shared/reference/methods.md §4).
+post-RoPE keys cannot do (a re-rotation would need the pre-RoPE keys).
 """
 from __future__ import annotations
 

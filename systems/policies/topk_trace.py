@@ -23,7 +23,6 @@ from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
 @dataclass
 class TopKTrace(Policy):
     top_k: int = 64                 # pages per set (FlexiCache analysis runs topK 64 / 128 with 16-token pages)
-    page_size: int = 16
     sink_tokens: int = 128          # LServe's streaming window, for the attention-mass proxy
     local_tokens: int = 256
     attention_mass: bool = True     # also measure the out-of-window attention share (one extra dense pass)
@@ -31,8 +30,6 @@ class TopKTrace(Policy):
     name = "topk_trace"
 
     def bind(self, kv: KVView) -> None:
-        if kv.page_size != self.page_size:
-            raise ValueError(f"topk_trace: params.page_size={self.page_size} but engine.page_size={kv.page_size}")
         super().bind(kv)
         self._live: dict[int, dict[str, list]] = {}
         self.finished: dict[str, dict[str, Any]] = {}
