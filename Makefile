@@ -5,7 +5,7 @@ PIP     := .venv/bin/pip -q --disable-pip-version-check
 STAMP   := .venv/.setup-stamp
 REQS    := pyproject.toml $(wildcard requirements/*.txt)
 
-.PHONY: setup setup-vllm run test test-slow gpu-check clean-venv
+.PHONY: setup setup-vllm run test lint test-slow gpu-check clean clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m harness.assets prepare >/dev/null
@@ -40,8 +40,17 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# build leftovers and caches; results/ (committed summaries, git-ignored raw cells) is kept
+clean:
+	rm -rf outputs/ multirun/ .ruff_cache/ .mypy_cache/ kvharness.egg-info/
+	find . -name __pycache__ -not -path "./.venv/*" -prune -exec rm -rf {} +
 
 clean-venv:
 	rm -rf .venv

@@ -27,6 +27,7 @@ def one_line(exc: BaseException) -> str:
 def precheck(argv: list[str]) -> None:
     """Compose the command line once before Hydra runs, so a typo or a wrong type exits with one line."""
     from hydra import compose, initialize_config_dir
+
     from harness.runner import CONF_DIR, check_no_extra_keys
 
     if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):

@@ -1,14 +1,14 @@
 """Accuracy cells: render a task's samples, generate with a system, score, measure fidelity, append to the store.
 
-The one cell loop of the accuracy kinds (harness/experiments/): every accuracy experiment (accuracy, accuracy_retention, needlebench, cake_ablation, quickstart, ruler,
-budget_sweep) runs its cells through `run_cells`. Reference cells run first, because each policy cell compares its
-distributions with the reference's on the same samples (harness.fidelity). Engine cells decode batch-invariantly
+The one cell loop of the accuracy kinds (harness/experiments/): every accuracy experiment (accuracy,
+accuracy_retention, needlebench, cake_ablation, quickstart, ruler, budget_sweep) runs its cells through `run_cells`.
+Reference cells run first, because each policy cell compares its distributions with the reference's on the same
+samples (harness.fidelity). Engine cells decode batch-invariantly
 (SYSTEM_DEFAULTS): a sample's tokens do not depend on which other samples share its batch, so a comparison is never
 decided by how requests happened to be batched.
 """
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,9 @@ from harness import grid as grid_lib
 from harness import params as params_lib
 from harness.assets import model_dir as resolve_model_dir
 from harness.envinfo import env_record
+from harness.params import AccuracyParams
 from harness.progress import RunProgress
 from harness.prompts import render_all
-from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError, dump_yaml
 from harness.store import CellStore
 from harness.summary import print_paths

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from harness import uncertainty as unc
 from harness.uncertainty import Estimate

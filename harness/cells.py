@@ -8,9 +8,10 @@ run, after a multirun job (whichever job ends last sees every finished cell), or
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf

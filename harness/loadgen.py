@@ -16,8 +16,9 @@ import codecs
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

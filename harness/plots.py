@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 Series = Mapping[str, Sequence[tuple[float, float]]]                 # label -> [(x, y), ...]
 Errors = Mapping[str, Sequence[tuple[float, float, float]]]          # label -> [(x, low, high), ...]
@@ -77,7 +77,9 @@ def _lines(ax, series: Series, xlabel: str, ylabel: str, title: str, *,
            dashed: Series | None = None, dashed_label: str = "analytic (dashed)", logx: bool = False,
            logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
            hline: float | None = None, colours: Mapping[str, str] | None = None) -> None:
-    pick = (lambda label: (colours or {}).get(label) or colour(label))
+    def pick(label):
+        return (colours or {}).get(label) or colour(label)
+
     for label, pts in (dashed or {}).items():
         pts = sorted((x, y) for x, y in pts if _finite(y))
         if pts:
@@ -204,7 +206,8 @@ def bar_plot(path: Path, groups: Sequence[str], series: Mapping[str, Sequence[fl
         if errs:
             ok = [j for j in keep if _finite(errs[j][0]) and _finite(errs[j][1])]
             ax.errorbar([xs[j] for j in ok], [vals[j] for j in ok],
-                        yerr=[[max(0.0, vals[j] - errs[j][0]) for j in ok], [max(0.0, errs[j][1] - vals[j]) for j in ok]],
+                        yerr=[[max(0.0, vals[j] - errs[j][0]) for j in ok],
+                              [max(0.0, errs[j][1] - vals[j]) for j in ok]],
                         fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
         for j in keep:
             note = (notes or {}).get(label, [None] * len(groups))[j]

@@ -1,7 +1,7 @@
 """Turn a task's Sample into model token ids: the task's truncation rule, then the model's chat template."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tasks.base import Sample, TaskError, chat_prompt_ids
 

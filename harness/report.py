@@ -6,8 +6,9 @@ import io
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from harness.envinfo import static_env
 from harness.store import atomic_write_text

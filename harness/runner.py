@@ -62,7 +62,7 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
 def cell_key(system: DictConfig, task: DictConfig, sys_default: DictConfig, task_default: DictConfig) -> str:
     """`<system>__<task>` plus the values that differ from the group files' defaults."""
     diffs = []
-    for cur, base, tag in ((system, sys_default, "sys"), (task, task_default, "task")):
+    for cur, base, _tag in ((system, sys_default, "sys"), (task, task_default, "task")):
         a, b = _flat(OmegaConf.to_container(cur)), _flat(OmegaConf.to_container(base))
         diffs += [f"{k.split('.')[-1]}={a[k]}" for k in sorted(a) if k != "name" and a[k] != b.get(k)]
     key = f"{system.name}__{task.name}"

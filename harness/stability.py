@@ -2,7 +2,7 @@
 
 Pure functions over the traces the `topk_trace` policy records (harness/experiments/head_stability.py runs them):
 per non-overlapping window of W decode steps a head's TS is the mean random-corrected overlap of its top-K set with
-the window's first set; the unstable set follows FlexiCache's final-set rule (systems.policies.selection).
+the window's first set; the unstable set follows FlexiCache's final-set rule (systems.policy_support.selection).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from systems.policies import selection
+from systems.policy_support import selection
 
 
 def analyse(traces: list[dict], k: Any, num_layers: int, num_kv_heads: int) -> dict[str, Any]:

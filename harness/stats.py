@@ -16,8 +16,8 @@ so a dead cell never looks fast in a table or a plot.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 

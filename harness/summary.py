@@ -7,8 +7,9 @@ machine class, versions). Files are written whole and renamed, so a reader never
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from harness import report
 from harness.envinfo import machine_class, static_env
@@ -29,37 +30,37 @@ class Summary:
         self.paths: dict[str, str] = {}
         self.cost: str | None = None
 
-    def glance(self, text: str, bullets: Sequence[str] = ()) -> "Summary":
+    def glance(self, text: str, bullets: Sequence[str] = ()) -> Summary:
         self.glance_text = "**At a glance:** " + text + ("\n\n" + "\n".join(f"- {b}" for b in bullets)
                                                          if bullets else "")
         return self
 
-    def section(self, heading: str) -> "Summary":
+    def section(self, heading: str) -> Summary:
         self.parts += [f"## {heading}", ""]
         return self
 
-    def text(self, paragraph: str) -> "Summary":
+    def text(self, paragraph: str) -> Summary:
         if paragraph:
             self.parts += [paragraph, ""]
         return self
 
-    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> "Summary":
+    def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> Summary:
         if rows:
             self.parts += [report.md_table(header, rows, digits), ""]
         return self
 
-    def image(self, key: str, path: str | None, alt: str | None = None) -> "Summary":
+    def image(self, key: str, path: str | None, alt: str | None = None) -> Summary:
         """Record a written PNG and show it (beside summary.md, so the link is its bare name)."""
         if path:
             self.paths[key] = str(path)
             self.parts += [f"![{alt or Path(path).stem}]({Path(path).name})", ""]
         return self
 
-    def csv(self, rows: Sequence[dict]) -> "Summary":
+    def csv(self, rows: Sequence[dict]) -> Summary:
         self.csv_rows += list(rows)
         return self
 
-    def took(self, seconds: float | None, what: str = "") -> "Summary":
+    def took(self, seconds: float | None, what: str = "") -> Summary:
         """State the run's cost (wall time of its cells, all sessions together)."""
         if seconds is not None and math.isfinite(seconds) and seconds > 0:
             hours = seconds / 3600

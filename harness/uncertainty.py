@@ -10,16 +10,16 @@
 
 Means and paired differences come from `scipy.stats.bootstrap` (percentile method). Ratios (retention) and
 aggregates over units use the same percentile bootstrap done unit by unit (a stratified bootstrap, which scipy does
-not offer); resamples where a ratio is undefined (the reference equals chance in every drawn sample) are left out. Every call draws from its own generator
-seeded with SEED: rerunning a summary gives the same intervals, and two systems compared on the same samples are
-resampled with the same draws.
+not offer); resamples where a ratio is undefined (the reference equals chance in every drawn sample) are left out.
+Every call draws from its own generator seeded with SEED: rerunning a summary gives the same intervals, and two
+systems compared on the same samples are resampled with the same draws.
 """
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 from scipy import stats

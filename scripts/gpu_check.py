@@ -45,8 +45,7 @@ if not (ARGS.interpret or ARGS.compile_only) and not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from systems.engine.ops import torch_attention, torch_kv, torch_scoring  # noqa: E402
-from systems.engine.ops import triton_attention, triton_kv, triton_scoring  # noqa: E402
+from systems.engine.ops import torch_attention, torch_kv, torch_scoring, triton_attention, triton_kv, triton_scoring  # noqa: E402  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.interpret or ARGS.compile_only else "cuda")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}

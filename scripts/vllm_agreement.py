@@ -61,7 +61,7 @@ def fixed_batch(tokenizer, n: int, input_tokens: int) -> list[list[int]]:
 def compare(prompts, v_out, h_out, report: dict) -> None:
     """Add the three agreement measures (and one row per prompt) to `report`."""
     rows = []
-    for (ids, number), v, h in zip(prompts, v_out, h_out):
+    for (_ids, number), v, h in zip(prompts, v_out, h_out):
         rows.append({"equal": v.token_ids == h.token_ids, "prefix": prefix_fraction(v.token_ids, h.token_ids),
                      "vllm_correct": number in v.text, "hf_correct": number in h.text,
                      "vllm": v.text.strip()[:90], "hf": h.text.strip()[:90], "needle": number})

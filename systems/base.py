@@ -1,8 +1,9 @@
 """The contract every system honours: requests in, completions (with token timestamps) and a memory report out."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass

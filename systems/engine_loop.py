@@ -13,7 +13,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from systems.base import GenerationRequest
-from systems.engine.sequence import Status
+from systems.engine.sequence import Sequence, Status
 
 log = logging.getLogger("kvharness.server")
 FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
@@ -25,7 +25,7 @@ class Live:
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: object = None          # the engine's Sequence, set by the engine thread
+    seq: Sequence | None = None     # the engine's, set by the engine thread
     sent: int = 0               # output tokens already posted
     done: bool = False          # finished, failed or aborted: nothing more will be posted
 
@@ -108,6 +108,7 @@ class EngineLoop:
     def _publish(self) -> None:
         for rid, live in list(self._live.items()):
             seq = live.seq
+            assert seq is not None          # only admitted requests are live
             n = seq.num_output_tokens
             finished = seq.status is Status.FINISHED
             if n > live.sent or finished:

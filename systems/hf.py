@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -83,6 +84,7 @@ class HFSystem:
     def _force(self, r: GenerationRequest) -> Completion:
         """Teacher forcing on a dense model is one forward over prompt + forced tokens (no KV policy to act)."""
         arrival = time.perf_counter()
+        assert r.forced_output_ids is not None
         forced = [int(t) for t in r.forced_output_ids[:r.max_new_tokens]]
         ids = torch.tensor([list(r.prompt_token_ids) + forced], device=self.device)
         logits = self.model(ids).logits[0, len(r.prompt_token_ids) - 1:-1].float()
@@ -91,7 +93,8 @@ class HFSystem:
         return Completion(
             request_id=r.request_id, text=self.tokenizer.decode(forced, skip_special_tokens=True), token_ids=forced,
             prompt_tokens=len(r.prompt_token_ids), output_tokens=len(forced), arrival_time=r.arrival_time or arrival,
-            token_times=[now] * len(forced), token_logprobs=logp.gather(1, torch.tensor(forced)[:, None])[:, 0].tolist(),
+            token_times=[now] * len(forced),
+            token_logprobs=logp.gather(1, torch.tensor(forced)[:, None])[:, 0].tolist(),
             argmax_ids=logits.argmax(-1).tolist(), logprobs=logp[:r.logprob_steps].cpu() if r.logprob_steps else None)
 
     @torch.inference_mode()
@@ -127,7 +130,7 @@ class HFSystem:
             toks = [int(t) for t in gen[i, width:width + n]]
             text = self.tokenizer.decode(toks[:-1] if clock.reason[i] == "eos" else toks, skip_special_tokens=True)
             text, _ = cut_at_stop(text, r.stop)
-            extra = {}
+            extra: dict[str, Any] = {}
             if r.logprob_steps and step_logp is not None:
                 lp = step_logp[i, :n]
                 extra = dict(token_logprobs=lp.gather(1, torch.tensor(toks)[:, None])[:, 0].tolist(),

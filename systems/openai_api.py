@@ -16,7 +16,8 @@ from typing import Any
 from aiohttp import web
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-NEUTRAL = {"n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+           "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
            "top_logprobs": (None, 0), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
            "repetition_penalty": (1, 1.0, None), "suffix": (None, ""), "tools": (None, []),
            "response_format": (None, {"type": "text"})}

@@ -112,7 +112,7 @@ def check_dims(system_cfg: Any, model_dir: Path, max_model_len: int) -> None:
         engine = EngineConfig.coerce(system_cfg.engine)
         policy = load_policy(system_cfg.policy, dict(system_cfg.params))
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        policy.configure(_DimsView(cfg, engine.page_size, max_model_len))  # type: ignore[arg-type]
+        policy.configure(_DimsView(cfg, engine.page_size, max_model_len))
     except ValueError as exc:
         raise SystemConfigError(f"system {system_cfg.name!r}: {exc}") from None
 
@@ -137,7 +137,7 @@ def check_capacity(system_cfg: Any, model_dir: Path, dtype_bytes: int, prompt_le
     view = _DimsView(cfg, engine.page_size, max_model_len)
     policy = load_policy(system_cfg.policy, dict(system_cfg.params))
     try:
-        policy.configure(view)  # type: ignore[arg-type]
+        policy.configure(view)
     except ValueError as exc:
         raise SystemConfigError(f"system {system_cfg.name!r}: {exc}") from None
     need = policy.device_blocks_needed(prompt_len, max_new_tokens)

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -166,13 +167,15 @@ class OpenAIServer:
         return {"prompt_tokens": prompt, "completion_tokens": len(detok.ids), "total_tokens": prompt + len(detok.ids)}
 
     def _chunk(self, live: Live, chat: bool, choices: list, usage: dict | None = None) -> bytes:
-        body = {"id": live.request.request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": choices}
+        body: dict[str, Any] = {"id": live.request.request_id,
+                                "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": int(time.time()), "model": self.model_name, "choices": choices}
         if usage is not None:
             body["usage"] = usage
         return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
-    async def _stream(self, request: web.Request, live: Live, params: Params, chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, live: Live, params: Params, chat: bool
+                      ) -> tuple[web.StreamResponse, str]:
         detok = Detokenizer(self.tokenizer, params.stop)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -196,12 +199,13 @@ class OpenAIServer:
         await resp.write_eof()
         return resp, "completed"
 
-    async def _collect(self, live: Live, params: Params, chat: bool) -> web.Response:
+    async def _collect(self, live: Live, params: Params, chat: bool) -> tuple[web.Response, str]:
         detok = Detokenizer(self.tokenizer, params.stop)
         parts, finish = [], None
         try:
-            async for delta, finish in self._events(live, detok):
+            async for delta, reason in self._events(live, detok):
                 parts.append(delta)
+                finish = reason       # the last event's reason is the request's
         except ApiError as err:
             return err.response(), "failed"
         text = "".join(parts)
@@ -232,7 +236,7 @@ class RunningServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
 
-    def __enter__(self) -> "RunningServer":
+    def __enter__(self) -> RunningServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -255,7 +259,8 @@ def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m systems.server", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="local HF safetensors folder (default: the embedded SmolLM2 checkpoint)")
+    p.add_argument("--model", required=True,
+                   help="local HF safetensors folder (`python -m harness.serve` defaults it to the embedded SmolLM2)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
     p.add_argument("--policy", default="dense", help="module name in systems/policies")
     p.add_argument("--params", default="{}", help="policy hyperparameters as JSON, e.g. '{\"budget\": 512}'")
@@ -292,9 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     except SystemConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.model is None:
-        from harness.assets import model_dir   # CLI convenience only; the library never reaches into harness
-        args.model = str(model_dir())
     from pathlib import Path
 
     from systems.engine.system import EngineSystem

@@ -36,9 +36,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from systems.base import Completion, GenerationRequest, MemoryReport
 
@@ -46,7 +46,7 @@ INSTALL_HINT = ("run `make setup-vllm` (CPU: pip install --no-deps -r requiremen
                 "CUDA: pip install vllm)")
 
 
-def _vllm_env(env: dict, omp_threads_bind: str | None) -> dict:
+def _vllm_env(env: MutableMapping[str, str], omp_threads_bind: str | None) -> MutableMapping[str, str]:
     """Environment vLLM reads in the processes it spawns; values the caller already set win."""
     env.setdefault("HF_HUB_OFFLINE", "1")
     if omp_threads_bind is not None:
@@ -199,7 +199,7 @@ class VLLMSystem:
         if engine is not None:
             engine.engine_core.shutdown()
 
-    def __enter__(self) -> "VLLMSystem":
+    def __enter__(self) -> VLLMSystem:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -279,7 +279,7 @@ class VLLMServer:
             pass
         self.process.wait()
 
-    def __enter__(self) -> "VLLMServer":
+    def __enter__(self) -> VLLMServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 class TaskError(ValueError):

@@ -14,8 +14,9 @@ import logging
 import math
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from tasks import haystack, metrics, sources
 from tasks.base import Sample, Task, TaskError

@@ -18,8 +18,9 @@ import logging
 import pathlib
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from tasks import metrics, sources
 from tasks.base import Sample, Task, TaskError

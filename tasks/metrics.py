@@ -14,11 +14,12 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
-from typing import Callable, Iterable, Sequence
 
 _EN_PUNCT = set(string.punctuation)
-_ZH_PUNCT = _EN_PUNCT | set("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏.")
+_ZH_PUNCT = _EN_PUNCT | set("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣"
+                            "､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏.")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _DIGITS = re.compile(r"\d+")
 

@@ -18,8 +18,8 @@ import pathlib
 import random
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from tasks import haystack
 from tasks.base import Sample, Task, TaskError

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
 
 from tasks import haystack
 from tasks.base import Sample, Task, TaskError

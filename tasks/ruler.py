@@ -33,8 +33,8 @@ import pathlib
 import random
 import re
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from tasks import ruler_data as gen
 from tasks import sources
@@ -45,7 +45,8 @@ NIAH = {
     "niah_single_3": ("essay", "words", "uuids", 1, 1, 1), "niah_multikey_1": ("essay", "words", "numbers", 4, 1, 1),
     "niah_multikey_2": ("needle", "words", "numbers", 1, 1, 1),
     "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
-    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1), "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4),
+    "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
+    "niah_multiquery": ("essay", "words", "numbers", 1, 1, 4),
 }
 TASKS = [*NIAH, "vt", "cwe", "fwe", "qa_1", "qa_2"]
 SYNTHETIC = TASKS[:11]

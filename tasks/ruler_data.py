@@ -37,8 +37,8 @@ import re
 import string
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tasks import haystack
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from systems.policies import allocation as alloc
+from systems.policy_support import allocation as alloc
 
 
 @pytest.mark.parametrize("raw, total, cap, expect", [

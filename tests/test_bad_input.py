@@ -29,6 +29,8 @@ CASES = [
     (["system.backend=tpu"], "backend"),
     (["system.batch_size=0"], "batch_size"),
     (["system=dense", "system.policy=nosuch"], "nosuch"),                   # unknown policy
+    (["system=dense", "system.policy=indicators"], "unknown policy"),       # a helper module is not a policy
+    (["system=dense", "system.policy=base"], "unknown policy"),
     (["system=quest", "+system.params.budgte=512"], "budgte"),              # unknown policy param
     (["system=quest", "system.params.budget=0"], "budget"),                 # budget <= 0
     (["system=cake", "system.params.budget=-5"], "budget"),

@@ -36,7 +36,8 @@ def test_samples_put_passkeys_in_order_and_the_qa_block_last(tokenizer_dir):
     assert all(len(k.split()) == 4 and set(k.split()) <= set(duo.NATO) for k in keys)
     assert text.index("first passkey to the vault: ") < text.index("second passkey to the vault: ")
     qa = tok.decode(ids[span])
-    assert qa.startswith("Based on the content of the book, what is the first passkey") and qa.rstrip().endswith(keys[2])
+    assert qa.startswith("Based on the content of the book, what is the first passkey")
+    assert qa.rstrip().endswith(keys[2])
     assert span.stop == len(ids)
 
 

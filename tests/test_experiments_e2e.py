@@ -101,7 +101,8 @@ def test_memory_one_length_end_to_end(tiny_llama_dir, tmp_path):
 
 def test_decode_microbench_end_to_end(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("decode_microbench", tiny_llama_dir, tmp_path,
-                             "exp.params.systems=[dense,quest,quest_kv_head,flexicache,flexicache_naive]", "exp.params.context=256",
+                             "exp.params.systems=[dense,quest,quest_kv_head,flexicache,flexicache_naive]",
+                             "exp.params.context=256",
                              "exp.params.budget=64", "exp.params.batch_sizes=[1,2]", "exp.params.steps=4",
                              "exp.params.warmup=1")
     assert len(rows) == 10 and pngs == ["latency_vs_batch.png", "speedup_vs_batch.png"]

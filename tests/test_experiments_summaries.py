@@ -4,8 +4,8 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from harness import plots
 from harness import grid as grid_lib
+from harness import plots
 from harness.experiments import cake_ablation, memory, needlebench
 
 
@@ -95,7 +95,8 @@ def test_task_params_must_name_known_tasks():
     from harness.schema import SystemConfig, TaskConfig
     cell = GridCell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
     ok = OmegaConf.create({"exp": {"params": {"task_params": {"recall": {"repeats": 2}}}}})
-    assert grid_lib.with_task_params(ok, [cell], {"recall": {"repeats": 2}}) == [cell]          # a known task outside the grid is ignored
+    # a known task outside the grid is ignored
+    assert grid_lib.with_task_params(ok, [cell], {"recall": {"repeats": 2}}) == [cell]
     typo = OmegaConf.create({"exp": {"params": {"task_params": {"needlebench_sr": {"repeats": 2}}}}})
     with pytest.raises(UserError, match="unknown task"):
         grid_lib.with_task_params(typo, [cell], {"needlebench_sr": {"repeats": 2}})

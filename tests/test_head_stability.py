@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from harness import stability
 from harness.experiments import head_stability
-from systems.policies import load_policy, profiles
+from systems.policies import load_policy
+from systems.policy_support import profiles
 
 
 def _profile(task="t1", **kw):

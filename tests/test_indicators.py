@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from systems.policies import indicators as ind
+from systems.policy_support import indicators as ind
 
 N, HQ, HKV, D = 11, 4, 2, 8
 G = HQ // HKV

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from systems.engine.kv_cache import TieredKVCache
-from systems.policies import indicators as ind
 from systems.policies import load_policy
 from systems.policies.base import DecodeStep, SeqInfo
+from systems.policy_support import indicators as ind
 
 HQ, HKV, D, P = 4, 2, 8, 4
 G = HQ // HKV

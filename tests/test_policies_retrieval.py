@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from systems.policies import selection
+from systems.policy_support import selection
 
 
 def brute_scores(q, kmin, kmax, num_pages):

@@ -10,7 +10,8 @@ import torch
 
 from systems.base import GenerationRequest
 from systems.engine.engine import Engine
-from systems.policies import load_policy, selection
+from systems.policies import load_policy
+from systems.policy_support import selection
 
 P = 4                     # page size of the tests: short prompts span many pages
 LAYERS, KV_HEADS = 4, 2

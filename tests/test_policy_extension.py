@@ -39,4 +39,5 @@ def test_memory_experiment_checks_its_own_count(keep_first_pages, tiny_llama_dir
     # 3 pages of 16 tokens + 3 decode tokens = 51 tokens = 4 pages per (layer, KV head), at both lengths
     for r in rows:
         pages = int(r["layers"]) * int(r["kv_heads"]) * 4
-        assert float(r["device_kv_final_bytes"]) == float(r["analytic_device_kv_bytes"]) == pages * int(r["bytes_per_block"])
+        assert (float(r["device_kv_final_bytes"]) == float(r["analytic_device_kv_bytes"])
+                == pages * int(r["bytes_per_block"]))

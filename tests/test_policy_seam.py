@@ -10,7 +10,6 @@ import torch
 from systems.base import GenerationRequest
 from systems.engine.engine import Engine
 from systems.engine.kv_cache import TieredKVCache
-from systems.engine.ops.torch_kv import page_minmax
 from systems.policies import load_policy
 from systems.policies.base import Policy
 
@@ -45,7 +44,8 @@ def test_keep_tokens_compacts_frees_and_keeps_minmax_exact():
     gk, gv, counts = kv.gather_tokens(torch.tensor([1]), 0)
     assert counts[0].tolist() == [4, 7]
     for h in range(H):
-        assert torch.equal(gk[0, h, :len(keep[h])], k[keep[h], h]) and torch.equal(gv[0, h, :len(keep[h])], v[keep[h], h])
+        assert torch.equal(gk[0, h, :len(keep[h])], k[keep[h], h])
+        assert torch.equal(gv[0, h, :len(keep[h])], v[keep[h], h])
     assert kv.free_device_blocks() == free0 - (1 + 2)
     _check_minmax(kv, 1, 0)
     kv.free_seq(1)
@@ -206,6 +206,7 @@ def test_score_pages_uses_exact_minmax_of_every_page():
     for h in range(H):
         for page in range(3):
             keys = k[page * P:min(10, page * P + P), h]
-            bound = torch.maximum(q[0, 2 * h:2 * h + 2, None] * keys.amin(0), q[0, 2 * h:2 * h + 2, None] * keys.amax(0))
+            bound = torch.maximum(q[0, 2 * h:2 * h + 2, None] * keys.amin(0),
+                                  q[0, 2 * h:2 * h + 2, None] * keys.amax(0))
             assert torch.isclose(scores[0, h, page], bound.sum(-1).amax(), atol=1e-5)
             assert scores[0, h, page] >= (keys @ q[0, 2 * h:2 * h + 2].T).max() - 1e-5

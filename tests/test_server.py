@@ -161,7 +161,8 @@ def test_bad_chat_bodies_and_unknown_model(server, path, payload, status):
 
 
 def test_malformed_json_gets_400(server):
-    resp = httpx.post(server.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    resp = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                      headers={"content-type": "application/json"})
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
 
 
@@ -239,7 +240,7 @@ def _non_loopback_address() -> str | None:
 def test_binds_loopback_only_by_default(server):
     from systems.server import build_parser
 
-    assert build_parser().parse_args([]).host == "127.0.0.1"
+    assert build_parser().parse_args(["--model", "m"]).host == "127.0.0.1"
     host, port = server.url.removeprefix("http://").split(":")
     assert host == "127.0.0.1"
     addr = _non_loopback_address()
@@ -259,6 +260,8 @@ def test_binds_loopback_only_by_default(server):
 def test_cli_rejects_bad_arguments_before_loading(argv, needle, capsys):
     from systems.server import main
 
+    if "--model" not in argv:
+        argv = ["--model", "/nonexistent/folder", *argv]     # the argument checks come before the folder's
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1

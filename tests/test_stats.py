@@ -99,7 +99,7 @@ def test_matches_vllm_calculate_metrics():
 
     rng = np.random.default_rng(0)
     ours, theirs, inputs = [], [], []
-    for i in range(40):
+    for _i in range(40):
         n = int(rng.integers(1, 30))
         itl = list(rng.uniform(0.001, 0.05, n - 1))
         ttft, start = float(rng.uniform(0.01, 0.5)), float(rng.uniform(0, 5))

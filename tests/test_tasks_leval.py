@@ -2,8 +2,8 @@
 import pathlib
 
 import pytest
-
 from fixtures.task_tokenizer import WordTokenizer
+
 from tasks import leval
 from tasks.base import TaskError, load_task
 
@@ -56,7 +56,8 @@ def test_gsm_takes_the_number_after_the_answer_is():
     task = make(["gsm100"])
     (sample,) = task.samples(WordTokenizer())
     assert sample.system_prompt.startswith("Given several question answer pairs")
-    assert sample.prompt.endswith("\n\nQuestion: A box holds 4 rows of 6 eggs. How many eggs?\nLet's think step by step")
+    assert sample.prompt.endswith("\n\nQuestion: A box holds 4 rows of 6 eggs. How many eggs?\n"
+                                  "Let's think step by step")
     assert task.score(sample, "4 rows times 6 is 24.\nThe answer is 24.")["score"] == 100.0
     assert task.score(sample, "I count 20 eggs, maybe 24 eggs")["score"] == 100.0   # last token with a digit
     assert task.score(sample, "The answer is 23")["score"] == 0.0

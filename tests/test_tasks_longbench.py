@@ -39,7 +39,8 @@ def test_few_shot_and_code_sets_skip_the_chat_template_and_samsum_stops_at_newli
     assert not samples["trec"].chat_template and not samples["samsum"].chat_template
     assert not samples["lcc"].chat_template and samples["qasper"].chat_template
     assert samples["samsum"].stop == ("\n",) and samples["trec"].stop == ()
-    assert samples["lcc"].prompt == "Please complete the code given below. \ndef add(a, b):\n    total = a + b\nNext line of code:\n"
+    assert samples["lcc"].prompt == ("Please complete the code given below. \ndef add(a, b):\n    total = a + b\n"
+                                     "Next line of code:\n")
     assert samples["trec"].prompt.endswith("Question: Where is the Eiffel Tower ?\nType:")
 
 

@@ -1,7 +1,7 @@
 """NeedleBench samples: deterministic, needles where asked, lengths in tokens, v2 scoring and summaries."""
 import pytest
-
 from fixtures.task_tokenizer import WordTokenizer
+
 from tasks import haystack
 from tasks.base import TaskError, load_task
 from tasks.needlebench import NeedleBench, boxed_answer, load_needles, v1_overall, v2_overall

@@ -2,8 +2,8 @@
 import re
 
 import pytest
-
 from fixtures.task_tokenizer import WordTokenizer
+
 from tasks.base import TaskError, load_task
 
 

@@ -16,8 +16,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from systems.base import GenerationRequest  # noqa: E402
 from systems.engine.engine import Engine  # noqa: E402
-from systems.engine.ops import torch_attention, torch_kv, torch_scoring  # noqa: E402
-from systems.engine.ops import triton_attention, triton_kv, triton_scoring  # noqa: E402
+from systems.engine.ops import torch_attention, torch_kv, torch_scoring, triton_attention, triton_kv, triton_scoring  # noqa: E402  # noqa: E402
 from systems.policies.base import Policy  # noqa: E402
 
 INTERPRET = os.environ["TRITON_INTERPRET"] == "1"

@@ -19,13 +19,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import accuracy_report
-from harness.accuracy_report import AccuracyData
-from harness import grid as grid_lib
 from harness import accuracy_cells as accuracy
-from harness.summary import Summary, cell_envs
+from harness import accuracy_report
+from harness import grid as grid_lib
+from harness.accuracy_report import AccuracyData
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError
+from harness.summary import Summary, cell_envs
 
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 # per-request policy statistics averaged into the summary when a policy reports them (Completion.kv_stats)

@@ -21,10 +21,10 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig
 
+from harness import accuracy_cells as accuracy
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness import accuracy_cells as accuracy
 from harness.grid import budget_label
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError
@@ -45,7 +45,8 @@ def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[lis
     cells, labels = accuracy.grid(cfg, cells, p)
     reference = accuracy.reference_of(p, labels)
     if reference not in labels:
-        raise UserError(f"reference {reference!r} is not in the grid: add it to exp.systems or set exp.params.reference")
+        raise UserError(f"reference {reference!r} is not in the grid: "
+                        "add it to exp.systems or set exp.params.reference")
     return cells, labels
 
 
@@ -87,7 +88,8 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         reach = next((b for b, label in at[pol].items() if np.isfinite(score[label].value) and (
             score[label].value >= ref.value or not data.macro_difference(label, reference, reference, units)
             .excludes(0.0))), None)
-        bullets.append(f"{pol}: " + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[pol].items())
+        bullets.append(f"{pol}: "
+                       + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[pol].items())
                        + (f"; within the noise of {reference} from {reach} tokens" if reach else
                           f"; below {reference} at every budget"))
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
@@ -115,7 +117,8 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         f"{cfg.exp.name}: n = {ref.n} samples per point"), "score and fidelity vs budget")
     summary.section("Score, retention and fidelity per policy and budget").table(
         ["policy", *[f"budget {b}" for b in budgets]],
-        [[pol, *[f"{score[at[pol][b]].fmt(1, with_n=False)} · ret {data.macro_retention(at[pol][b], reference, units).fmt(2, with_n=False)} · "
+        [[pol, *[f"{score[at[pol][b]].fmt(1, with_n=False)} · "
+               f"ret {data.macro_retention(at[pol][b], reference, units).fmt(2, with_n=False)} · "
                f"top-1 {top1[at[pol][b]].fmt(2, with_n=False)} · KL {kl[at[pol][b]].fmt(3, with_n=False)}"
                if b in at[pol] else "—" for b in budgets]] for pol in policies])
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "

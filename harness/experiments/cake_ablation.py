@@ -21,15 +21,16 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness import accuracy_cells as accuracy
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness import accuracy_cells as accuracy
 from harness.grid import variant, with_task_params
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError, validate
 from harness.summary import Summary, cell_envs
 from systems.policies import load_policy
+
 
 @dataclass
 class Base:

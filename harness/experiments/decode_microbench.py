@@ -215,7 +215,8 @@ def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir
     aware = next((s for s in systems if at[(s, batches[0])]["policy"] == "flexicache" and s != naive), None)
     big = batches[-1]
     glance = f"per-layer decode attention at {p.context} tokens, batch {big}: " + ", ".join(
-        f"{ref} ÷ {s} = {_ratio(at[(ref, big)]['total_ms'], at[(s, big)]['total_ms']):.2f}×" for s in systems if s != ref)
+        f"{ref} ÷ {s} = {_ratio(at[(ref, big)]['total_ms'], at[(s, big)]['total_ms']):.2f}×"
+        for s in systems if s != ref)
     if naive and aware:
         glance += f"; stability-aware is {_ratio(at[(naive, big)]['total_ms'], at[(aware, big)]['total_ms']):.2f}× " \
                   "faster than naive"

@@ -36,7 +36,7 @@ from harness.params import GridParams
 from harness.runner import GridCell, UserError, dump_yaml
 from harness.store import CellStore
 from harness.summary import Summary, print_paths
-from systems.policies import profiles
+from systems.policy_support import profiles
 from tasks import ruler_data
 
 NATO = ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa quebec "
@@ -194,9 +194,9 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
 
 def summarize(cfg: DictConfig, cells: list, out_dir: Path, same_code: bool = True) -> dict[str, str]:
     """Rebuild the summary (and the profile file beside it) from the trained gates on disk."""
+    from harness.assets import model_dir as resolve_model_dir
     from harness.cells import stored_metrics
     from systems.engine.models.llama import ModelSpec
-    from harness.assets import model_dir as resolve_model_dir
 
     p = dataclasses.asdict(params_lib.parse(cfg, Params))
     metrics = stored_metrics(out_dir, f"duo_gates__{cfg.model.name}__steps{p['steps']}")

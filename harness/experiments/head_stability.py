@@ -5,7 +5,7 @@ is dense), every sample decodes `decode_steps` steps (EOS ignored; the first tok
 (layer, KV head)'s top-K page set is recorded; harness.stability turns the traces into the unstable set and the
 statistics. The same pass measures LServe's streaming-head proxy (attention mass outside sink + local window).
 Per cell: the FlexiCache and LServe profile JSONs and metrics.json; with `ship: true` the profiles are also written
-to systems/policies/profiles/, where the policies find them by (model, task).
+to systems/policy_support/profiles/, where the policies find them by (model, task).
 """
 from __future__ import annotations
 
@@ -18,15 +18,15 @@ from omegaconf import DictConfig
 
 from harness import params as params_lib
 from harness import plots, report, stability
-from harness.cells import cell_config, run_cell, stored_metrics
 from harness.accuracy_cells import Workspace, prepare_cell
+from harness.cells import cell_config, run_cell, stored_metrics
 from harness.params import GridParams
 from harness.progress import RunProgress
 from harness.runner import GridCell, UserError
 from harness.store import atomic_write_json
 from harness.summary import Summary, cell_envs, print_paths
 from systems.base import GenerationRequest
-from systems.policies import profiles
+from systems.policy_support import profiles
 
 
 @dataclass
@@ -149,8 +149,9 @@ def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> dict[s
         rco = torch.tensor(m["rco_by_offset"])                                  # [W-1, H]
         unstable = torch.tensor([hs["unstable"] for hs in m["flexicache"]["head_stats"]])
         offsets = range(1, rco.shape[0] + 1)
-        panels.append(dict(series={"stable heads (mean)": list(zip(offsets, torch.nanmean(rco[:, ~unstable], 1).tolist())),
-                                   "unstable heads (mean)": list(zip(offsets, torch.nanmean(rco[:, unstable], 1).tolist()))},
+        series = {"stable heads (mean)": list(zip(offsets, torch.nanmean(rco[:, ~unstable], 1).tolist())),
+                  "unstable heads (mean)": list(zip(offsets, torch.nanmean(rco[:, unstable], 1).tolist()))}
+        panels.append(dict(series=series,
                            colours={"stable heads (mean)": "tab:blue", "unstable heads (mean)": "tab:red"},
                            ylabel="RCO(S_s, S_s+Δ) (0 = chance, 1 = identical)",
                            title=f"{m['task']}: top-{m['flexicache']['K']} overlap vs offset"))

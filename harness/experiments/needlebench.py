@@ -17,10 +17,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from harness import accuracy_cells as accuracy
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness import accuracy_cells as accuracy
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError
 from harness.summary import Summary, cell_envs

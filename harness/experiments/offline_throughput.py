@@ -15,9 +15,9 @@ from omegaconf import DictConfig
 
 from harness import params as params_lib
 from harness import plots
+from harness.accuracy_cells import Workspace
 from harness.assets import essay_files
 from harness.cells import cell_config, run_cell, stored_metrics
-from harness.accuracy_cells import Workspace
 from harness.params import GridParams
 from harness.progress import RunProgress
 from harness.runner import GridCell
@@ -110,7 +110,8 @@ def ratio_lines(results: list[dict], reference: str) -> list[str]:
         ref = rows.get(reference)
         for name, r in rows.items():
             if ref and name != reference:
-                lines.append(f"output {out_len}: **{name} ÷ {reference} = {r['total_tok_s'] / ref['total_tok_s']:.2f}×** "
+                lines.append(f"output {out_len}: **{name} ÷ {reference} = "
+                             f"{r['total_tok_s'] / ref['total_tok_s']:.2f}×** "
                              f"total tok/s ({r['total_tok_s']:.1f} vs {ref['total_tok_s']:.1f})")
     return lines
 
@@ -121,8 +122,9 @@ def write_summary(cfg, p: Params, results: list[dict], out_dir: Path) -> dict[st
     summary.glance(f"tokens/s of each system on the same requests, ratios to `{ref}`:", ratio_lines(results, ref))
     summary.table(["system", "in", "out", "requests", "total tok/s", "output tok/s", "req/s", "wall s",
                    "device KV peak MiB", "mode"],
-                  [[r["system"], r["input_len"], r["output_len"], r["num_requests"], r["total_tok_s"], r["output_tok_s"],
-                    r["req_s"], r["wall_s"], (r["device_kv_peak_bytes"] or 0) / 2**20, r["mode"]] for r in results], 2)
+                  [[r["system"], r["input_len"], r["output_len"], r["num_requests"], r["total_tok_s"],
+                    r["output_tok_s"], r["req_s"], r["wall_s"], (r["device_kv_peak_bytes"] or 0) / 2**20, r["mode"]]
+                   for r in results], 2)
     summary.text("Only `generate()` is timed (after one short warm-up call); EOS is ignored so every request produces "
                  "exactly its output length; device KV peak is the block manager's peak for the engine, the padded "
                  "cache for hf, and peak KV usage × block bytes for vLLM.")

@@ -26,7 +26,8 @@ from harness.loadgen import PROCESSES, Prompt, arrival_times, run_load
 from harness.params import GridParams
 from harness.runner import GridCell, UserError, dump_yaml
 from harness.servers import start_server, wait_idle
-from harness.stats import parse_goodput, summarize as serving_stats
+from harness.stats import parse_goodput
+from harness.stats import summarize as serving_stats
 from harness.store import CellStore, atomic_write_json
 from harness.summary import Summary, cell_envs, print_paths
 
@@ -118,7 +119,8 @@ def run_rate(server, prompts: list[Prompt], rate: float, p: Params, seed: int) -
 
 def key_of(cell: GridCell, p: Params) -> str:
     tag = p.process + (f"{p.burstiness:g}" if p.process == "gamma" else "")
-    return cell.key.replace(f"__{cell.task.name}", "", 1) + f"__{tag}_in{p.input_len}_out{p.output_len}_n{p.num_prompts}"
+    return (cell.key.replace(f"__{cell.task.name}", "", 1)
+            + f"__{tag}_in{p.input_len}_out{p.output_len}_n{p.num_prompts}")
 
 
 def systems_of(cells: list[GridCell]) -> list[GridCell]:
@@ -207,10 +209,12 @@ def write_summary(cfg, p: Params, rows: list[dict], envs: list[dict], out_dir: P
         by = {s: sorted((r for r in rows if r["system"] == s), key=lambda r: r["request_rate"])
               for s in dict.fromkeys(r["system"] for r in rows)}
         summary.image("tpot_png", plots.line_plot(
-            out_dir / "tpot_vs_rate.png", {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
+            out_dir / "tpot_vs_rate.png",
+            {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
             "request rate (requests/s)", "mean TPOT (ms)", "Mean TPOT vs request rate"), "TPOT vs rate")
         summary.image("ttft_png", plots.line_plot(
-            out_dir / "ttft_vs_rate.png", {s: [(r["request_rate"], r["mean_ttft_ms"]) for r in rs] for s, rs in by.items()},
+            out_dir / "ttft_vs_rate.png",
+            {s: [(r["request_rate"], r["mean_ttft_ms"]) for r in rs] for s, rs in by.items()},
             "request rate (requests/s)", "mean TTFT (ms)", "Mean TTFT vs request rate",
             dashed={s: [(r["request_rate"], r["p99_ttft_ms"]) for r in rs] for s, rs in by.items()},
             dashed_label="p99 (dashed)"), "TTFT vs rate")

@@ -13,14 +13,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from harness import accuracy_cells as accuracy
 from harness import accuracy_report
 from harness import params as params_lib
 from harness.accuracy_report import AccuracyData
 from harness.cells import cell_config, run_cell
-from harness import accuracy_cells as accuracy
 from harness.experiments.offline_throughput import build_requests, measure
-from harness.progress import RunProgress
 from harness.params import AccuracyParams
+from harness.progress import RunProgress
 from harness.runner import GridCell, apply_budget, load_group
 from harness.schema import SystemConfig
 from harness.store import CellStore
@@ -115,7 +115,8 @@ def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Pat
     bullets = [f"accuracy retention vs {REFERENCE} (macro mean over {len(data.usable(REFERENCE))} task units): "
                f"{data.ranking(REFERENCE)}"]
     if data.has("fid_top1"):
-        bullets.append(f"teacher-forced top-1 agreement with {REFERENCE}: {data.fidelity_ranking('fid_top1', REFERENCE)}")
+        bullets.append(f"teacher-forced top-1 agreement with {REFERENCE}: "
+                       f"{data.fidelity_ranking('fid_top1', REFERENCE)}")
     for t in tput:
         if t["system"] != REFERENCE and t["kv_ratio"] is not None and t["tok_s_ratio"] is not None:
             bullets.append(f"{t['system']} holds {t['kv_ratio']:.2f}× {REFERENCE}'s device KV per request at "

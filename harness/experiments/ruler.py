@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from omegaconf import DictConfig
 
+from harness import accuracy_cells as accuracy
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness import accuracy_cells as accuracy
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError
 from harness.summary import Summary, cell_envs

@@ -26,7 +26,7 @@ class EngineConfig:
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
 
     @classmethod
-    def coerce(cls, cfg: Any) -> "EngineConfig":
+    def coerce(cls, cfg: Any) -> EngineConfig:
         """An EngineConfig from a dataclass, an OmegaConf node, a dict or a namespace; missing keys take the
         defaults, unknown ones fail. Then `validate`."""
         if isinstance(cfg, cls):

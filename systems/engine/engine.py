@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -154,9 +155,8 @@ class Engine:
         """All requests to completion; mid-run arrivals honour each request's arrival_time."""
         t0 = time.perf_counter()
         order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_time or t0)
-        seqs: list[Sequence | None] = [None] * len(requests)
-        for i in order:
-            seqs[i] = self.add_request(requests[i], requests[i].arrival_time or t0)
+        added = {i: self.add_request(requests[i], requests[i].arrival_time or t0) for i in order}
         self.run()
+        seqs = [added[i] for i in range(len(requests))]
         assert all(s.status is Status.FINISHED for s in seqs)
         return seqs

@@ -55,7 +55,7 @@ class TieredKVCache:
         self.bytes_host_to_device = 0
         self.bytes_device_to_host = 0
         self._paused: set[int] = set()
-        self._inflight: dict[int, object] = {}                         # slot -> CUDA event of its last promotion
+        self._inflight: dict[int, torch.cuda.Event] = {}         # slot -> CUDA event of its last promotion
         # tier copies overlap decoding on a stream at the lowest priority (CUDA's 0; negative is higher)
         self._copy_stream = torch.cuda.Stream(priority=0) if cuda else None
         self._heads = torch.arange(num_kv_heads, device=self.device)
@@ -197,8 +197,8 @@ class TieredKVCache:
             ids = self.block_table[slot, layer, h, :old_pages].long()
             if bool((ids == 0).any()):
                 raise ValueError("keep_tokens: the head has non-resident pages; promote or drop them first")
-            flat = lambda pool: pool.index_select(0, ids).view(-1, self.head_dim)[idx]  # noqa: E731 - a copy
-            k_kept, v_kept = flat(self.k_pool), flat(self.v_pool)
+            k_kept, v_kept = (pool.index_select(0, ids).view(-1, self.head_dim)[idx]     # copies, not views
+                              for pool in (self.k_pool, self.v_pool))
             pos = torch.arange(n_keep, device=self.device)
             self.ops.store_kv(self.k_pool, self.v_pool, k_kept, v_kept, ids[pos // P], pos % P)
             self.device_blocks.free(ids[new_pages:])
@@ -249,43 +249,43 @@ class TieredKVCache:
             dst_v.index_copy_(0, d, src_v.index_select(0, s).to(dst_v.device, non_blocking=True))
 
     def offload_pages(self, slots, layers, heads, pages) -> None:
-        s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
+        s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if s.numel() == 0:
             return
-        dev = self.block_table[s, l, h, p].long()
+        dev = self.block_table[s, lay, h, p].long()
         if bool((dev == 0).any()):
             raise ValueError("offload_pages: a listed page is not resident on the device")
-        host = self.host_table[s, l, h, p].long()
+        host = self.host_table[s, lay, h, p].long()
         fresh = host == 0
         host[fresh] = self.host_blocks.alloc(int(fresh.sum())).to(self.device).long()
-        self.host_table[s, l, h, p] = host.to(torch.int32)
+        self.host_table[s, lay, h, p] = host.to(torch.int32)
         self._copy(self.host_k_pool, self.host_v_pool, host.cpu(), self.k_pool, self.v_pool, dev)
         self.bytes_device_to_host += s.numel() * self.bytes_per_block
 
     def release_device_pages(self, slots, layers, heads, pages) -> None:
-        s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
+        s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # an offload may still read these blocks
-        dev = self.block_table[s, l, h, p]
+        dev = self.block_table[s, lay, h, p]
         self.device_blocks.free(dev[dev != 0])
-        self.block_table[s, l, h, p] = 0
+        self.block_table[s, lay, h, p] = 0
 
     def promote_pages(self, slots, layers, heads, pages, recycle=None) -> None:
-        s, l, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
+        s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if s.numel() == 0:
             return
-        host = self.host_table[s, l, h, p].long()
+        host = self.host_table[s, lay, h, p].long()
         if bool((host == 0).any()):
             raise ValueError("promote_pages: a listed page has no host copy")
         if recycle is None:
             dev = self._alloc_device(s.numel()).long()
         else:
             r = recycle.to(self.device).long()
-            dev = self.block_table[s, l, h, r].long()
+            dev = self.block_table[s, lay, h, r].long()
             if bool((dev == 0).any()):
                 raise ValueError("promote_pages: a recycle page is not resident")
-            self.block_table[s, l, h, r] = 0
-        self.block_table[s, l, h, p] = dev.to(torch.int32)
+            self.block_table[s, lay, h, r] = 0
+        self.block_table[s, lay, h, p] = dev.to(torch.int32)
         self._copy(self.k_pool, self.v_pool, dev, self.host_k_pool, self.host_v_pool, host.cpu())
         self.bytes_host_to_device += s.numel() * self.bytes_per_block
         if self._copy_stream is not None:

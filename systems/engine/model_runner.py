@@ -1,7 +1,7 @@
 """Runs the model over a prefill or decode batch, storing K/V in pages and calling the policy hooks per layer."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,11 @@ class ModelRunner:
         self.prefill_tile = PREFILL_TILE if batch_invariant else None
         self.decode_tile = DECODE_TILE if batch_invariant else None
 
+    def _model(self) -> LlamaModel:
+        if self.model is None:
+            raise RuntimeError("this runner was made without a model: it only runs decode_layer")
+        return self.model
+
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole-prompt prefill of each sequence (no cached prefix); returns last-position logits [B, V]."""
@@ -38,19 +43,19 @@ class ModelRunner:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             outs = []
-            for i, seq in enumerate(seqs):
+            for i in range(len(seqs)):
                 a, b = bounds[i], bounds[i + 1]
                 qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
                 # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=kv.scale, enable_gqa=True)
                 outs.append(o[0].transpose(0, 1))
-                kv.store_prefill(seq.slot, layer, k[a:b], v[a:b])
+                kv.store_prefill(infos[i].slot, layer, k[a:b], v[a:b])
                 policy.after_prefill_layer(kv, infos[i], layer, q[a:b], k[a:b])
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-        hidden = self.model.forward(ids, positions, attend, tile=self.prefill_tile)
+        hidden = self._model().forward(ids, positions, attend, tile=self.prefill_tile)
         last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
-        return self.model.logits(hidden[last], tile=self.decode_tile)
+        return self._model().logits(hidden[last], tile=self.decode_tile)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -63,8 +68,8 @@ class ModelRunner:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.decode_layer(layer, q, k, v, slots, infos)
 
-        hidden = self.model.forward(ids, positions, attend, tile=self.decode_tile)
-        return self.model.logits(hidden, tile=self.decode_tile)
+        hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile)
+        return self._model().logits(hidden, tile=self.decode_tile)
 
     def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      infos: list[SeqInfo], clock: Callable[[str], None] | None = None) -> torch.Tensor:

@@ -107,6 +107,7 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _release(self, seq: Sequence) -> None:
+        assert seq.slot is not None
         self.policy.reset(seq.slot)
         self.kv.free_seq(seq.slot)
         self.running.remove(seq)

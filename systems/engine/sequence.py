@@ -52,6 +52,7 @@ class Sequence:
         return self.request.max_new_tokens - self.num_output_tokens
 
     def info(self) -> SeqInfo:
+        assert self.slot is not None, "only a scheduled sequence has a slot"
         return SeqInfo(slot=self.slot, request_id=self.request.request_id, prefill_len=self.prefill_len,
                        seq_len=len(self.token_ids), decode_step=self.decode_step,
                        max_new_tokens=self.request.max_new_tokens)

@@ -1,7 +1,8 @@
 """EngineSystem: the paged engine with one KV policy behind the System protocol (requests carry token ids)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -75,4 +76,5 @@ class EngineSystem:
         self.engine.steps = {"prefill": 0, "decode": 0}
 
     def close(self) -> None:
-        self.engine = None
+        """Free the model and the KV pools; the system cannot generate afterwards."""
+        self.__dict__.pop("engine", None)

@@ -202,7 +202,7 @@ class Policy:
         return None
 
     @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> "Policy":
+    def from_params(cls, params: dict[str, Any] | None) -> Policy:
         """Build from a config dict; unknown keys fail in one line naming the valid ones."""
         params = dict(params or {})
         valid = [f.name for f in dataclasses.fields(cls) if f.init]

@@ -30,9 +30,9 @@ from typing import Any, Optional
 
 import torch
 
-from systems.policies import allocation as alloc
-from systems.policies import indicators as ind
 from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policy_support import allocation as alloc
+from systems.policy_support import indicators as ind
 
 INDICATORS = ind.WINDOW_INDICATORS + ("h2o",)
 POOL_ORDERS = ("storage", "position")
@@ -107,7 +107,9 @@ class Cake(Policy):
         if self.allocation == "uniform":
             return alloc.uniform_budgets(self.budget - self.window, seen)
         if self.allocation == "pyramid":
-            return alloc.pyramid_budgets(n, self.budget, self.window, L, self.beta)[:seen]
+            pyramid = alloc.pyramid_budgets(n, self.budget, self.window, L, self.beta)
+            assert pyramid is not None                 # only called while compressing: n > budget
+            return pyramid[:seen]
         return alloc.random_budgets(L, self.total, cap, self.seed)[:seen]
 
     def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
@@ -212,7 +214,7 @@ class Cake(Policy):
         b, hkv, n = pos.shape
         g = probs.shape[1] // hkv
         valid = torch.arange(n, device=pos.device).view(1, 1, n) < counts.view(b, hkv, 1)
-        key = self.ledger.score[sub.long(), layer, :, :n] if self.decode_pool_order == "storage" else pos.float()
+        key = self.ledger.scores[sub.long(), layer, :, :n] if self.decode_pool_order == "storage" else pos.float()
         order = key.masked_fill(~valid, float("inf")).argsort(-1)          # storage index of each rank, padding last
         ranked = probs.view(b, hkv, g, n).gather(-1, order.unsqueeze(2).expand(b, hkv, g, n))
         prefix = torch.arange(n, device=pos.device).view(1, 1, n) < (counts - self.window).view(b, hkv, 1)
@@ -225,7 +227,7 @@ class Cake(Policy):
             desc = score.masked_fill(~prefix, float("-inf")).argsort(dim=-1, descending=True, stable=True)
             new_rank = torch.empty_like(desc).scatter_(-1, desc, torch.arange(n, device=desc.device).expand(b, hkv, n))
             rank_key = torch.where(prefix, new_rank, torch.arange(n, device=desc.device).expand(b, hkv, n))
-            self.ledger.score[sub.long(), layer, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
+            self.ledger.scores[sub.long(), layer, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
         heads = torch.arange(hkv, device=pos.device).expand(b, hkv)
         self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), layer, heads.reshape(-1),
                          index.reshape(-1))

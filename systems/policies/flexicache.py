@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from systems.policies import profiles, selection
 from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
+from systems.policy_support import profiles, selection
 
 
 @dataclass
@@ -93,6 +93,7 @@ class FlexiCache(Policy):
         if self.unstable_heads is not None:
             return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
         path = self._profile_path
+        assert path is not None                    # set whenever unstable_heads is not given
         prof = profiles.load_profile(path, "flexicache")
         if (prof["num_layers"], prof["num_kv_heads"]) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"flexicache profile {path} is for {prof['num_layers']} layers x {prof['num_kv_heads']} "
@@ -121,7 +122,8 @@ class FlexiCache(Policy):
     @classmethod
     def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
         """FlexiCache's share of unstable heads (25 %), taken as the first heads of every layer."""
-        return {"unstable_heads": [[layer, h] for layer in range(num_layers) for h in range(round(0.25 * num_kv_heads))]}
+        per_layer = round(0.25 * num_kv_heads)
+        return {"unstable_heads": [[layer, h] for layer in range(num_layers) for h in range(per_layer)]}
 
     def reset(self, slot: int) -> None:
         self._held.clear()

@@ -16,9 +16,9 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from systems.policies import indicators as ind
 from systems.policies.base import DecodeStep, KVView, SeqInfo
-from systems.policies.fixed_budget import LedgerBudget
+from systems.policy_support import indicators as ind
+from systems.policy_support.fixed_budget import LedgerBudget
 
 
 @dataclass
@@ -59,9 +59,9 @@ class H2O(LedgerBudget):
                    torch.zeros(len(slots), hkv, device=slots.device))
         k, _, counts = kv.gather_tokens(slots, layer)
         probs = ind.decode_attention(step.q, k, counts, kv.scale)              # [B, Hq, N], 0 on padding
-        b, n = probs.shape[0], probs.shape[-1]
+        n = probs.shape[-1]
         s = slots.long()
-        led.score[s, layer, :, :n] += ind.group_reduce(probs.transpose(0, 1), hkv, self.aggregation).transpose(0, 1)
+        led.scores[s, layer, :, :n] += ind.group_reduce(probs.transpose(0, 1), hkv, self.aggregation).transpose(0, 1)
         over = (counts[:, 0] > self.budget).nonzero().flatten()
         if over.numel() == 0:
             return
@@ -70,7 +70,7 @@ class H2O(LedgerBudget):
         newest = torch.tensor([step.seqs[i].seq_len for i in over.tolist()], device=pos.device).view(-1, 1, 1)
         protected = (pos >= newest - self.recent) | (torch.arange(n, device=pos.device).view(1, 1, n) >=
                                                      cnt.unsqueeze(-1))
-        victim = led.score[sub.long(), layer, :, :n].masked_fill(protected, float("inf")).argmin(-1)
+        victim = led.scores[sub.long(), layer, :, :n].masked_fill(protected, float("inf")).argmin(-1)
         heads = torch.arange(hkv, device=pos.device).expand(len(sub), hkv)
         led.drop(kv, sub.view(-1, 1).expand(len(sub), hkv).reshape(-1), layer, heads.reshape(-1), victim.reshape(-1))
 

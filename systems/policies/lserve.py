@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from systems.policies import profiles, selection
 from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
+from systems.policy_support import profiles, selection
 
 
 @dataclass
@@ -117,7 +117,8 @@ class LServe(Policy):
     @classmethod
     def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
         """LServe's default sparsity: half the KV heads stream, taken as the first heads of every layer."""
-        return {"streaming_heads": [[layer, h] for layer in range(num_layers) for h in range(round(0.5 * num_kv_heads))]}
+        per_layer = round(0.5 * num_kv_heads)
+        return {"streaming_heads": [[layer, h] for layer in range(num_layers) for h in range(per_layer)]}
 
     def reset(self, slot: int) -> None:
         if hasattr(self, "_has_choice"):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from systems.policies import allocation as alloc
 from systems.policies.snapkv import SnapKV
+from systems.policy_support import allocation as alloc
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from systems.policies import selection
 from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
+from systems.policy_support import selection
 
 
 @dataclass

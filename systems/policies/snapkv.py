@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from systems.policies import allocation as alloc
-from systems.policies import indicators as ind
 from systems.policies.base import KVView, Policy, SeqInfo
+from systems.policy_support import allocation as alloc
+from systems.policy_support import indicators as ind
 
 
 @dataclass

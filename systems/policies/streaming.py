@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from systems.policies import indicators as ind
 from systems.policies.base import DecodeStep, KVView, SeqInfo
-from systems.policies.fixed_budget import LedgerBudget
+from systems.policy_support.fixed_budget import LedgerBudget
 
 
 @dataclass

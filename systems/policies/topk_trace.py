@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from systems.policies import selection
 from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policy_support import selection
 
 
 @dataclass

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from systems.policies import indicators as ind
 from systems.policies.base import DecodeStep, KVView, SeqInfo
-from systems.policies.fixed_budget import FixedBudget
+from systems.policy_support import indicators as ind
+from systems.policy_support.fixed_budget import FixedBudget
 
 
 @dataclass

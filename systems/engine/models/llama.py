@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 3.x, Mistral, Qwen2, SmolLM2) over flattened tokens, weights from a HF safetensors folder.
+"""Llama-family decoder (Llama 3.x, Mistral, Qwen2, SmolLM2) over flattened tokens, weights from HF safetensors.
 
 The model knows nothing of the KV cache: each layer hands its post-RoPE q, k, v to an `attend(layer, q, k, v)`
 callable supplied by the model runner, which stores K/V in pages and computes attention.
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelSpec":
+    def from_dir(cls, model_dir: str | Path) -> ModelSpec:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: pass a local HF model folder (config.json + *.safetensors)")
@@ -109,6 +109,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: torch.Tensor                   # q, k and v projections stacked: one matmul
+    qkv_b: torch.Tensor | None          # Qwen2's q/k/v bias
+    o: torch.Tensor
+    gate_up: torch.Tensor               # gate and up projections stacked
+    down: torch.Tensor
+
+
 class LlamaModel:
     """Weights as plain tensors; q/k/v and gate/up projections fused so each is one matmul."""
 
@@ -120,12 +131,12 @@ class LlamaModel:
         self.embed = w[pre + "embed_tokens.weight"]
         self.norm = w[pre + "norm.weight"]
         self.lm_head = self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed)
-        self.layers = []
+        self.layers: list[LayerWeights] = []
         for i in range(spec.num_layers):
             p = f"{pre}layers.{i}."
             a = p + "self_attn."
             qkv_b = (torch.cat([w[a + f"{n}_proj.bias"] for n in "qkv"]) if spec.qkv_bias else None)
-            self.layers.append(dict(
+            self.layers.append(LayerWeights(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
                 qkv=torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), qkv_b=qkv_b, o=w[a + "o_proj.weight"],
                 gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
@@ -168,17 +179,17 @@ class LlamaModel:
         cos, sin = self.rope(positions)
         h = F.embedding(input_ids, self.embed)
         for i, lw in enumerate(self.layers):
-            x = self.rms_norm(h, lw["ln1"])
-            qkv = tiled_linear(x, lw["qkv"], lw["qkv_b"], tile)
+            x = self.rms_norm(h, lw.ln1)
+            qkv = tiled_linear(x, lw.qkv, lw.qkv_b, tile)
             qk = qkv[:, :nq + nkv].view(T, s.num_q_heads + s.num_kv_heads, d)
             qk = qk * cos + rotate_half(qk) * sin                      # q and k heads rotated in one pass
             q, k = qk[:, :s.num_q_heads], qk[:, s.num_q_heads:]
             v = qkv[:, nq + nkv:].reshape(T, s.num_kv_heads, d)
             o = attend(i, q, k, v)
-            h = h + tiled_linear(o.reshape(T, nq), lw["o"], None, tile)
-            x = self.rms_norm(h, lw["ln2"])
-            gate, up = tiled_linear(x, lw["gate_up"], None, tile).chunk(2, dim=-1)
-            h = h + tiled_linear(F.silu(gate) * up, lw["down"], None, tile)
+            h = h + tiled_linear(o.reshape(T, nq), lw.o, None, tile)
+            x = self.rms_norm(h, lw.ln2)
+            gate, up = tiled_linear(x, lw.gate_up, None, tile).chunk(2, dim=-1)
+            h = h + tiled_linear(F.silu(gate) * up, lw.down, None, tile)
         return self.rms_norm(h, self.norm)
 
     def logits(self, hidden: torch.Tensor, tile: int | None = None) -> torch.Tensor:

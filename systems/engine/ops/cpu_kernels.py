@@ -53,7 +53,8 @@ def _build() -> bool:
             except BlockingIOError:
                 waited = time.monotonic() - start
                 if waited > BUILD_WAIT_S:
-                    raise TimeoutError(f"another process held {folder / 'kvharness.lock'} for {waited:.0f} s")
+                    raise TimeoutError(f"another process held {folder / 'kvharness.lock'} for {waited:.0f} s"
+                                       ) from None
                 if not told and waited > 2:
                     handle.seek(0)
                     owner = handle.read().strip() or "unknown"
@@ -86,7 +87,7 @@ def available() -> bool:
                 _state["ok"] = _build()
             except Exception as exc:  # no compiler or headers: the torch path is correct, only slower
                 warnings.warn(f"CPU kernels not built ({type(exc).__name__}: {str(exc).splitlines()[0]}); using "
-                              "the torch path. Install gcc/g++ to get the fused kernels.")
+                              "the torch path. Install gcc/g++ to get the fused kernels.", stacklevel=2)
                 _state["ok"] = False
         return bool(_state["ok"])
 

@@ -118,12 +118,12 @@ def _merge_kernel(out, part_acc, part_ml, num_splits, s_ob, s_oh, s_od, s_ab, s_
     s_ok = s < num_splits
     ml = part_ml + b * s_mb + hq * s_mh + s * s_ms
     m = tl.load(ml, mask=s_ok, other=float("-inf"))
-    l = tl.load(ml + 1, mask=s_ok, other=0.0)
+    denom = tl.load(ml + 1, mask=s_ok, other=0.0)
     m_all = tl.max(m, axis=0)
     w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_all))
     acc = tl.load(part_acc + b * s_ab + hq * s_ah + s[:, None] * s_as + d[None, :],
                   mask=s_ok[:, None] & (d < D)[None, :], other=0.0)
-    total = tl.sum(l * w, axis=0)
+    total = tl.sum(denom * w, axis=0)
     res = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)   # a head with no key reads zeros
     tl.store(out + b * s_ob + hq * s_oh + d * s_od, res.to(out.dtype.element_ty), mask=d < D)
 
@@ -159,7 +159,8 @@ def _decode(q, k_pool, v_pool, table, num_tokens, selected, scale, pages_per_spl
     out = torch.empty_like(q)
     if num_splits == 1:
         part_acc = part_ml = out                                  # unused by the one-split kernel
-        acc_strides, ml_strides = (0, 0, 0), (0, 0, 0)
+        acc_strides: tuple[int, ...] = (0, 0, 0)
+        ml_strides: tuple[int, ...] = (0, 0, 0)
     else:
         part_acc = torch.empty(B, Hq, num_splits, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(B, Hq, num_splits, 2, dtype=torch.float32, device=q.device)

@@ -24,7 +24,7 @@ def pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, 1 << max(0, int(n) - 1).bit_length())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_programs_target(device_index: int) -> int:
     """Programs one launch should offer to keep every SM busy (two per SM); a small fixed number off-GPU."""
     if device_index < 0:

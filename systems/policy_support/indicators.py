@@ -168,6 +168,13 @@ class TokenLedger:
         if self.score is not None:
             self.score = torch.nn.functional.pad(self.score, (0, grow))
 
+    @property
+    def scores(self) -> torch.Tensor:
+        """The running scores [slots, layers, Hkv, capacity] of a ledger made with_scores."""
+        if self.score is None:
+            raise RuntimeError("this ledger was made without scores (with_scores=False)")
+        return self.score
+
     def reset(self, slot: int) -> None:
         self.count[slot] = 0
 
@@ -177,6 +184,7 @@ class TokenLedger:
         self._ensure(m)
         self.pos[slot, layer, :, :m] = pos.to(self.pos)
         if self.score is not None:
+            assert score is not None, "a scored ledger needs the tokens' scores"
             self.score[slot, layer, :, :m] = score.float()
         self.count[slot, layer] = m
 
@@ -190,6 +198,7 @@ class TokenLedger:
         ss = s.view(-1, 1).expand_as(cnt)
         self.pos[ss, layer, heads, cnt] = positions.to(self.pos).view(-1, 1).expand_as(cnt)
         if self.score is not None:
+            assert score is not None, "a scored ledger needs the tokens' scores"
             self.score[ss, layer, heads, cnt] = score.float()
         self.count[s, layer] += 1
 

@@ -1,16 +1,18 @@
-"""Shared by policies that hold a fixed `budget` of tokens per (layer, KV head) from prefill on (H2O, TOVA, StreamingLLM)."""
+"""Base of policies holding a fixed `budget` of tokens per (layer, KV head) from prefill on (H2O, TOVA, Streaming)."""
 from __future__ import annotations
 
 from typing import ClassVar
 
-from systems.policies import allocation as alloc
-from systems.policies import indicators as ind
 from systems.policies.base import KVView, Policy
+from systems.policy_support import allocation as alloc
+from systems.policy_support import indicators as ind
 
 
 class FixedBudget(Policy):
     """Admission footprint: the whole prompt when it fits the budget, else the transient bound of one full layer
     plus `budget` tokens for every other layer (eviction runs layer by layer during prefill)."""
+
+    budget: int                 # tokens per (layer, KV head); a field of each subclass's dataclass
 
     def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
         """Evicting while decoding keeps every layer at `budget` tokens once it is reached."""

@@ -7,8 +7,9 @@ never served by a profile made on that same task.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 PROFILE_DIR = Path(__file__).resolve().parent
 REQUIRED = {
