@@ -34,8 +34,9 @@ setup-vllm: $(STAMP)
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
 
+# ARGS: extra Hydra overrides, e.g. make run ARGS="exp.systems=[dense,streaming]"
 run: setup
-	$(PY) -m harness +exp=quickstart
+	$(PY) -m harness +exp=quickstart $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -96,20 +96,22 @@ def results_block(root: Path = ROOT) -> str:
 
 
 def quickstart_block(root: Path = ROOT) -> str:
-    """The quickstart summary without its title, image, regenerate and provenance lines (the README has its own),
-    its sections one heading level down."""
+    """The quickstart summary without its title, images and footer (the README has its own), its sections one heading
+    level down, closed by the machine class, commit and path the numbers come from."""
     path = root / "results" / "quickstart" / "summary.md"
     lines = path.read_text().splitlines()
     body = []
     for line in lines[1:]:
-        if line.startswith(("Regenerate:", "Made by ", "![")):
+        if line.startswith(("Regenerate:", "Made by ", "![", "Cost:", "Machine class:")):
             continue
         body.append("####" + line[2:] if line.startswith("## ") else line)
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(body)).strip()
     made = next((line for line in lines if line.startswith("Made by ")), "")
-    sha = re.search(r"at git `([0-9a-f]+)`", made)
+    sha = re.search(r"at git `([0-9a-f]+)", made)
+    machine = next((line.removeprefix("Machine class: ").rstrip(".") for line in lines
+                    if line.startswith("Machine class: ")), "SmolLM2-135M-Instruct")
     where = f"git `{sha.group(1)}`, " if sha else ""
-    return f"{text}\n\n(SmolLM2-135M-Instruct, bf16, 2 CPU cores; {where}`results/quickstart/summary.md`.)"
+    return f"{text}\n\n({machine}; {where}`results/quickstart/summary.md`.)"
 
 
 def render(readme: str, root: Path = ROOT) -> str:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.envinfo import static_env
-from harness.store import atomic_write_text
 
 
 def fmt(v: Any, digits: int = 1) -> str:
@@ -61,17 +60,6 @@ def provenance(cfg, envs: Sequence[dict] | None = None) -> str:
             "file (git-ignored raw runs).")
 
 
-def reference_system(cfg, cells) -> str:
-    ref = cfg.exp.params.get("reference")
-    if ref:
-        return ref
-    names = [c.system.name for c in cells]
-    for n in names:
-        if n == "engine-dense":
-            return n
-    return names[0]
-
-
 def length_depth_table(rows: Sequence[dict]) -> str | None:
     """Score per context length × depth (rows whose meta has both), with row/column means."""
     grid: dict[tuple, list[float]] = defaultdict(list)
@@ -83,7 +71,10 @@ def length_depth_table(rows: Sequence[dict]) -> str | None:
         return None
     lengths = sorted({k[0] for k in grid})
     depths = sorted({k[1] for k in grid})
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else float("nan")
+
     body = []
     for L in lengths:
         cells = [mean(grid.get((L, d), [])) for d in depths]
@@ -91,37 +82,6 @@ def length_depth_table(rows: Sequence[dict]) -> str | None:
     body.append(["mean", *[mean([s for L in lengths for s in grid.get((L, d), [])]) for d in depths],
                  mean([s for v in grid.values() for s in v])])
     return md_table(["length \\ depth %", *[f"{d}" for d in depths], "mean"], body)
-
-
-def write_accuracy_summary(cfg, cells, metrics: list[dict], rows_by_cell: dict[str, list[dict]],
-                           out_dir: Path) -> dict[str, str]:
-    ref = reference_system(cfg, cells)
-    ref_scores = {m["task"]: m["summary"]["score"] for m in metrics if m["system"] == ref}
-    table, csv_rows = [], []
-    for cell, m in zip(cells, metrics):
-        score = m["summary"].get("score")
-        base = ref_scores.get(m["task"])
-        retention = score / base if base and score is not None and not math.isnan(base) else None
-        table.append([m["system"], m["task"], m["n"], score, retention])
-        csv_rows.append({"system": m["system"], "task": m["task"], "n": m["n"], "score": score,
-                         "retention": retention, "reference": ref, "cell": cell.key,
-                         **{f"summary.{k}": v for k, v in m["summary"].items() if k not in ("score", "n")}})
-    scores = [r[3] for r in table if r[3] is not None]
-    glance = (f"**At a glance:** {len(cells)} cell(s); mean score {fmt(sum(scores) / len(scores))} "
-              f"(0–100), retention is score ÷ `{ref}` on the same task.") if scores else "No scores."
-    parts = [f"# {cfg.exp.name}", "", glance, "",
-             md_table(["system", "task", "n", "score", "retention"], [r[:4] + [r[4]] for r in table], 2), ""]
-    for cell, m in zip(cells, metrics):
-        grid = length_depth_table(rows_by_cell.get(cell.key, []))
-        if grid:
-            parts += [f"## {m['system']} × {m['task']}: score by context length (tokens) × needle depth (%)", "",
-                      grid, ""]
-    parts += [f"Regenerate: `{command_line(cfg)}`.", "", provenance(cfg), ""]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
-    atomic_write_text(md, "\n".join(parts))
-    atomic_write_text(csv_path, to_csv(csv_rows))
-    return {"md": str(md), "csv": str(csv_path)}
 
 
 def to_csv(rows: list[dict]) -> str:

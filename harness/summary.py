@@ -44,6 +44,19 @@ class Summary:
             self.parts += [paragraph, ""]
         return self
 
+    def reasons(self, size_reason: str = "", budget_reason: str = "", budget: int | None = None) -> Summary:
+        """Why the committed grid has this size and budget (exp.params.size_reason / budget_reason); a run whose
+        command changed the experiment block says the reasons are for the committed configuration."""
+        changed = [a for a in report.command_line(self.cfg).split()[3:]
+                   if a.lstrip("+").startswith("exp.") and "_reason" not in a]
+        note = (f" *This run changed the committed grid ({', '.join(f'`{a}`' for a in changed)}): the reasoning is "
+                "for the committed configuration.*") if changed else ""
+        if size_reason:
+            self.text(f"**Why this size:** {size_reason}{note}")
+        if budget_reason:
+            self.text(f"**Why {budget} tokens:** {budget_reason}" if budget else f"**Why this budget:** {budget_reason}")
+        return self
+
     def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> Summary:
         if rows:
             self.parts += [report.md_table(header, rows, digits), ""]

@@ -80,6 +80,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         bullets.append(f"KL({reference} ‖ policy), nats per token: {data.fidelity_ranking('fid_kl', reference)}")
     summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
                    "at this n.", bullets)
+    summary.reasons(p.size_reason, p.budget_reason, p.budget)
     accuracy_report.standard_sections(summary, data, reference, out_dir)
     stats = policy_stats(cells, rows_by_cell, labels)
     shown = [k for k in POLICY_STATS if any(k in per for per in stats.values())]

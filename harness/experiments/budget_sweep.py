@@ -94,8 +94,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                           f"; below {reference} at every budget"))
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
                    f"{ref.fmt(1)}:", bullets)
-    if p.size_reason:
-        summary.text(f"**Why this size:** {p.size_reason}")
+    summary.reasons(p.size_reason, p.budget_reason, p.budget)
     grid_tasks = {c.task.name for c in cells}
     contexts = {t: n for t, n in p.contexts.items() if t in grid_tasks}
     if contexts:

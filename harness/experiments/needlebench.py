@@ -96,6 +96,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     summary.glance(f"macro retention over {', '.join(LABELS[m] for m in modes)} vs `{reference}`"
                    + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)} "
                    "(`>` only where the paired 95 % interval of the difference excludes 0).")
+    summary.reasons(p.size_reason, p.budget_reason, budget)
     summary.section("Overall (score 0–100, 95 % CI)").table(
         ["system", *[LABELS[m] for m in MODES], "v2 overall", "v1 overall"],
         [[s, *[data.score(s, units[m]).fmt(1) if m in units and data.n(s, units[m]) else "—" for m in MODES],

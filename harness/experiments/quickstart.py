@@ -112,7 +112,8 @@ def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Pat
                          if ref_tp and ref_tp["device_kv_bytes_per_request"] and t["device_kv_bytes_per_request"]
                          else None)
     tp = p.throughput
-    bullets = [f"accuracy retention vs {REFERENCE} (macro mean over {len(data.usable(REFERENCE))} task units): "
+    units = len(data.usable(REFERENCE))
+    bullets = [f"accuracy retention vs {REFERENCE} (macro mean over {units} task unit{'s' * (units != 1)}): "
                f"{data.ranking(REFERENCE)}"]
     if data.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement with {REFERENCE}: "
@@ -125,8 +126,7 @@ def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Pat
                       envs=cell_envs(acc))
     summary.glance(f"at a shared budget of {budget} tokens per layer and KV head (`>`: the paired 95 % interval of "
                    "the difference excludes 0; `≈`: indistinguishable at this n):", bullets)
-    summary.text(f"**Why this size:** {p.size_reason}")
-    summary.text(f"**Why {budget} tokens:** {p.budget_reason}")
+    summary.reasons(p.size_reason, p.budget_reason, budget)
     accuracy_report.standard_sections(summary, data, REFERENCE, out_dir, plot_name="quickstart_retention.png")
     tp_table = [[t["system"], t["output_tok_s"], t["total_tok_s"], (t["device_kv_bytes_per_request"] or 0) / 2**20,
                  t["tok_s_ratio"], t["kv_ratio"], t["mode"]] for t in tput]

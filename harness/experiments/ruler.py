@@ -101,8 +101,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
     summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
                    "at this n.", bullets)
-    if p.size_reason:
-        summary.text(f"**Why this size:** {p.size_reason}")
+    summary.reasons(p.size_reason, p.budget_reason, p.budget)
     summary.section("RULER average per length (mean over tasks, 0–100, 95 % CI)").table(
         ["system", *[f"{L}" for L in lengths], "average", "n"],
         [[s, *[avg[s][L].fmt(1, with_n=False) for L in lengths], avg[s]["all"].fmt(1, with_n=False),
