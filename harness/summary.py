@@ -54,7 +54,8 @@ class Summary:
         if size_reason:
             self.text(f"**Why this size:** {size_reason}{note}")
         if budget_reason:
-            self.text(f"**Why {budget} tokens:** {budget_reason}" if budget else f"**Why this budget:** {budget_reason}")
+            what = f"{budget} tokens" if budget else "this budget"
+            self.text(f"**Why {what}:** {budget_reason}")
         return self
 
     def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> Summary:
