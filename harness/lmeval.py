@@ -3,9 +3,10 @@
     lm_eval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
     python -m harness.lmeval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
 
-The package registers `kvharness` with lm-eval through its `lm_eval.models` entry point, and `python -m harness.lmeval`
-registers it before handing the command line to lm-eval's own CLI (programmatic use:
-`lm_eval.simple_evaluate(model=KVHarnessLM(...))`).
+`lm_eval` finds `kvharness` through the start-up hook `make setup` installs (harness/lmeval_hook.py: lm-eval 0.4 reads
+no entry points); `python -m harness.lmeval` imports the adapter and hands its command line to lm-eval's own CLI
+(programmatic use: `lm_eval.simple_evaluate(model=KVHarnessLM(...))`). The results' config records the system, its
+policy parameters and the KV mode of each request kind.
 
 Both request kinds run through the chosen system, so the KV policy acts on every number:
 - `generate_until` generates; prompts longer than `max_length - max_gen_toks` are middle-truncated (LongBench's rule)
@@ -67,6 +68,15 @@ class KVHarnessLM(LM):
         forcing = bool(getattr(self.system, "supports_forced_decoding", False))
         mode = getattr(self.system, "mode", "physical")
         self.kv_mode = {"generate_until": mode, "loglikelihood": mode if forcing else "dense (HF forward)"}
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Added to lm-eval's results["config"]: which system and policy made the numbers, and whether the policy
+        acted on each request kind."""
+        from omegaconf import OmegaConf
+
+        return {"kv_system": self.system_cfg.name, "kv_policy": self.system_cfg.policy,
+                "kv_params": OmegaConf.to_container(self.system_cfg.params, resolve=True), "kv_mode": self.kv_mode,
+                "model_path": str(self.model_dir), "model_dtype": self.model_cfg.dtype}
 
     # -- chat support (lm-eval's --apply_chat_template) -------------------------------------------------
     @property

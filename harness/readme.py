@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+from harness.catalog import describe
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Experiments in reading order, each with the line its README heading carries; a results folder not listed here
@@ -71,9 +73,7 @@ def _describe(name: str, root: Path) -> str:
     if name in SECTIONS:
         return SECTIONS[name]
     conf = root / "conf" / "exp" / f"{name}.yaml"
-    comments = [line[1:].strip() for line in conf.read_text().splitlines()
-                if line.startswith("#") and "@package" not in line] if conf.exists() else []
-    return comments[0] if comments else name
+    return (describe(conf) if conf.exists() else "") or name
 
 
 def results_block(root: Path = ROOT) -> str:

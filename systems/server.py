@@ -75,6 +75,9 @@ class OpenAIServer:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "kvharness",
+             # vLLM's fields: `root` is the weights the name serves (clients such as `vllm bench serve` load its
+             # tokenizer from it), `parent` a base model for adapters (none here)
+             "root": getattr(self.system, "model_dir", self.model_name), "parent": None, "permission": [],
              "max_model_len": self.engine.max_model_len}]})
 
     def snapshot(self) -> dict:

@@ -177,3 +177,34 @@ def test_resident_pages_equal_reference_on_strided_tables():
         for h in range(3):
             want = [m for m in range(int(num_pages[b, h])) if table[b, h, m] != 0]
             assert out[b, h].tolist() == want + [-1] * (out.shape[-1] - len(want))
+
+
+def test_a_killed_lock_holder_does_not_block_the_next_run(tmp_path):
+    """A process killed while it holds the build lock (and leaves torch's own lock file behind) does not hang the
+    next process: the flock dies with its holder and the stale torch lock is cleared."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from systems.engine.ops import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ toolchain: the torch path needs no lock")
+    folder = cpu_kernels.build_dir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"h = open({str(folder / 'kvharness.lock')!r}, 'a+'); fcntl.flock(h, fcntl.LOCK_EX)\n"
+        f"open({str(folder / 'lock')!r}, 'w').close()\n"     # torch's baton, left behind by the kill
+        "print('held', flush=True); time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert (folder / "lock").exists()
+    env = {**os.environ, "KVHARNESS_BUILD_WAIT_S": "60"}
+    proc = subprocess.run([sys.executable, "-c", "from systems.engine.ops import cpu_kernels as k; "
+                           "print(k.available())"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("True"), proc.stderr[-2000:]
+    assert not (folder / "lock").exists()

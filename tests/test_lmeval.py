@@ -97,3 +97,36 @@ def test_loglikelihood_runs_under_the_policy(tiny_llama_dir):
     assert dense.kv_mode["loglikelihood"] == stream.kv_mode["loglikelihood"] == "physical"
     rolling = dense.loglikelihood_rolling([SimpleNamespace(args=("a b c d e f g",))])
     assert rolling[0] < 0
+
+
+@pytest.mark.parametrize("entry", ["lm_eval", pytest.param("harness.lmeval", marks=pytest.mark.slow)])
+def test_real_cli_runs_an_engine_policy(entry, tiny_llama_dir, tmp_path):
+    """lm-eval's own CLI (`lm_eval`, found through the hook `make setup` installs) and `python -m harness.lmeval`
+    run a local task YAML under an engine policy with lm-eval's standard arguments; the results record the KV mode."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness import lmeval_hook
+
+    _write(tmp_path)
+    bin_dir = Path(sys.executable).parent
+    if entry == "lm_eval":
+        site = [p for p in map(Path, __import__("site").getsitepackages()) if (p / lmeval_hook.PTH_NAME).is_file()]
+        assert site, "the lm-eval hook is not installed: run `make setup` (or python -m harness.lmeval_hook)"
+        cmd = [str(bin_dir / "lm_eval"), "run"]
+    else:
+        cmd = [sys.executable, "-m", "harness.lmeval", "run"]
+    cmd += ["--model", "kvharness", "--model_args",
+            f"system=streaming,budget=32,model_path={tiny_llama_dir},dtype=float32,max_length=1024",
+            "--tasks", "kvh_fixture_gen,kvh_fixture_mc", "--include_path", str(tmp_path), "--device", "cpu",
+            "--batch_size", "2", "--max_batch_size", "4", "--output_path", str(tmp_path / "out")]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = (tmp_path / "out").rglob("results_*.json")
+    out = json.loads(result.read_text())
+    assert "exact_match,none" in out["results"]["kvh_fixture_gen"] and "acc,none" in out["results"]["kvh_fixture_mc"]
+    assert out["config"]["kv_mode"] == {"generate_until": "physical", "loglikelihood": "physical"}
+    assert out["config"]["kv_system"] == "engine-streaming" and out["config"]["kv_params"]["budget"] == 32

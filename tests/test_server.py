@@ -5,6 +5,7 @@ import asyncio
 import json
 import socket
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -116,6 +117,9 @@ def test_raw_sse_framing_ends_with_done(server):
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    (entry,) = httpx.get(server.url + "/v1/models").json()["data"]
+    assert entry["root"].endswith(Path(entry["root"]).name) and Path(entry["root"], "config.json").is_file()
+    assert entry["parent"] is None
     snap = health(server)
     assert snap["status"] == "ok"
     assert set(snap["requests"]) == {"received", "completed", "rejected", "invalid", "failed", "aborted"}

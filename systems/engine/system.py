@@ -20,6 +20,7 @@ class EngineSystem:
         from transformers import AutoTokenizer
 
         self.name = name
+        self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.engine = Engine(model_dir, policy, engine, dtype=dtype, device=device, max_model_len=max_model_len)
         eos = set(self.engine.model.spec.eos_token_ids)

@@ -31,6 +31,7 @@ def load_ops(device: torch.device | str) -> SimpleNamespace:
                 fast_module = None
         elif kind == "cpu" and group in ("attention", "scoring"):
             fast_module = importlib.import_module("systems.engine.ops.cpu_kernels")
+            fast_module.available()     # build (or fall back) now: a server's first request must not wait for it
         for name in names:
             chosen[name] = getattr(fast_module, name, None) or getattr(torch_modules[group], name)
     if chosen["top_pages"] is torch_scoring.top_pages:             # the reference top-K over the device's scorer

@@ -22,10 +22,14 @@ BUILD_WAIT_S = float(os.environ.get("KVHARNESS_BUILD_WAIT_S", "600"))
 
 
 def build_dir() -> Path:
-    """One build folder per checkout and torch version (another clone's build never blocks or replaces this one's):
-    $KVHARNESS_CACHE/torch_extensions/<hash of this source folder and torch's version>."""
+    """One build folder per checkout, torch version and CPU (another clone's build never blocks or replaces this one's,
+    and a home folder shared by machines of different CPU types never loads a -march=native build made elsewhere):
+    $KVHARNESS_CACHE/torch_extensions/<hash of this source folder, torch's version and the CPU's flags>."""
+    from systems.hardware import cpu_flags
+
     cache = Path(os.environ.get("KVHARNESS_CACHE", Path.home() / ".cache" / "kvharness"))
-    key = hashlib.sha1(f"{Path(__file__).resolve().parent}|{torch.__version__}".encode()).hexdigest()[:12]
+    cpu = " ".join(sorted(cpu_flags()))
+    key = hashlib.sha1(f"{Path(__file__).resolve().parent}|{torch.__version__}|{cpu}".encode()).hexdigest()[:12]
     return cache / "torch_extensions" / key
 
 
