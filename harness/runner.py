@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,6 +200,7 @@ def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
     from harness import params
 
     check_no_extra_keys(cfg)
+    check_dtype(cfg)
     try:
         params.parse(cfg, params.schema_of(experiment_module(cfg.exp.kind)))
     except params.ParamsError as exc:
@@ -221,13 +223,31 @@ def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
                         f"{cfg.model.max_model_len})")
 
 
-def pin_dtype(cfg: DictConfig) -> None:
-    """`auto` never reaches a result: it becomes the dtype it means on this machine before any cell is keyed."""
-    from systems.hardware import DTYPE_CHOICES, dtype_name
+def check_dtype(cfg: DictConfig) -> None:
+    from systems.hardware import DTYPE_CHOICES
 
     if cfg.model.dtype not in DTYPE_CHOICES and cfg.model.dtype not in ("bf16", "fp16", "fp32"):
         raise UserError(f"model.dtype={cfg.model.dtype!r} is not supported; use one of {list(DTYPE_CHOICES)}")
+
+
+def pin_dtype(cfg: DictConfig) -> None:
+    """`auto` never reaches a result: it becomes the dtype it means on this machine before any cell is keyed."""
+    from systems.hardware import dtype_name
+
+    check_dtype(cfg)
     cfg.model.dtype = dtype_name(cfg.model.dtype)
+
+
+def check_writable(out_dir: Path) -> None:
+    """The results folder can be written, checked before any model loads (a probe file, removed at once)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"results_dir={out_dir.parent} is not writable ({exc.strerror or exc}); set results_dir to "
+                        "a folder you can write") from None
 
 
 def run(cfg: DictConfig) -> Any:
@@ -237,6 +257,7 @@ def run(cfg: DictConfig) -> Any:
         cells = resolve_cells(cfg)
         validate(cfg, cells)
         out_dir = Path(cfg.results_dir) / cfg.exp.name
+        check_writable(out_dir)
         return experiment.run(cfg, cells, out_dir)
     except USER_ERRORS as exc:
         if isinstance(exc, UserError):

@@ -1,9 +1,12 @@
 """The contract every task family honours: deterministic samples in, per-sample scores and a task summary out."""
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import importlib
 import random
+import types
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +86,30 @@ def chat_prompt_ids(tokenizer, text: str, system_prompt: str | None = None) -> l
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
 
+def _check_types(name: str, schema: type, params: dict) -> None:
+    """Each given value has its field's kind (a list where a list is due, a number where a number is): a wrong kind
+    fails here in one line instead of deep inside sample generation."""
+    hints = typing.get_type_hints(schema)
+    for key, value in params.items():
+        hint = hints.get(key)
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            continue
+        if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+            hint = args[0]               # Optional[X]
+        origin = typing.get_origin(hint) or hint
+        if origin in (list, tuple, collections.abc.Sequence) and not isinstance(value, (list, tuple)):
+            raise TaskError(f"task {name!r}: params.{key} must be a list (e.g. [{value!r}]), got {value!r}")
+        if origin is bool and not isinstance(value, bool):
+            raise TaskError(f"task {name!r}: params.{key} must be true or false, got {value!r}")
+        if origin in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                       or origin is int and not isinstance(value, int)):
+            raise TaskError(f"task {name!r}: params.{key} must be {'an integer' if origin is int else 'a number'}, "
+                            f"got {value!r}")
+        if origin is str and not isinstance(value, str):
+            raise TaskError(f"task {name!r}: params.{key} must be a string, got {value!r}")
+
+
 def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | None = None,
               fraction: float | None = None) -> Task:
     """Import `tasks.<family>` and build its TASK class; unknown keys fail here, before any work."""
@@ -98,6 +125,7 @@ def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | 
     unknown = sorted(set(params) - known)
     if unknown:
         raise TaskError(f"task {name!r}: unknown parameter(s) {unknown}; valid: {sorted(known)}")
+    _check_types(name, cls.Params, params)
     if limit is not None and limit <= 0:
         raise TaskError(f"task.limit must be a positive integer or null, got {limit}")
     if fraction is not None and not 0 < fraction <= 1:

@@ -49,6 +49,13 @@ CASES = [
     (["model.max_input_tokens=9000"], "max_input_tokens"),
     (["model.path=/nonexistent/model"], "model.path"),
     (["task=longbench_qasper", "task.params.on_malformed=maybe"], "on_malformed"),
+    (["system=dense", "system.engine.max_num_seqs=0"], "max_num_seqs"),       # would admit nothing: a silent hang
+    (["system=dense", "system.engine.page_size=0"], "page_size"),
+    (["system=dense", "system.engine.device_memory_gb=-1"], "device_memory_gb"),
+    (["system=dense", "system.engine.host_memory_gb=-1"], "host_memory_gb"),
+    (["system=dense", "system.engine.max_num_batched_tokens=0"], "max_num_batched_tokens"),
+    (["task=needlebench_srt", "task.params.lengths=1500"], "lengths"),           # a scalar where a list is due
+    (["model.dtype=float64"], "model.dtype"),
 ]
 
 
@@ -196,3 +203,15 @@ def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
     with pytest.raises(SystemConfigError) as err:
         check_capacity(system, tmp_path, 2, prompt_len=4000, max_new_tokens=16, max_model_len=8192)
     assert "\n" not in str(err.value) and "set engine.device_memory_gb >=" in str(err.value)
+
+
+def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llama_dir):
+    from harness.runner import UserError, run
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = _compose(["+exp=quickstart", "exp.systems=[dense]", f"model.path={tiny_llama_dir}",
+                    f"results_dir={blocker / 'results'}",
+                    "model.dtype=float32"])
+    with pytest.raises(UserError, match="results_dir=.* is not writable") as info:
+        run(cfg)
+    assert "\n" not in str(info.value)
