@@ -27,15 +27,20 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int =
     return "\n".join(lines)
 
 
+_REBUILDING: list[str] | None = None    # the run's overrides while `python -m harness.report` rebuilds a summary
+
+
 def command_line(cfg=None) -> str:
     """The user's command that regenerates this result: Hydra's overrides of this job (so a multirun or Ray worker
-    records the user's arguments, not its own argv), else this process's harness arguments."""
-    args = None
+    records the user's arguments, not its own argv), the run's overrides when a summary is rebuilt from disk, else
+    this process's harness arguments."""
+    args = _REBUILDING
     try:
         from hydra.core.hydra_config import HydraConfig
         args = list(HydraConfig.get().overrides.task)
     except (ValueError, ImportError):
-        if sys.argv and Path(sys.argv[0]).parent.name == "harness":
+        main = Path(sys.argv[0]) if sys.argv else Path()
+        if args is None and (main.name == "kvharness" or main.parts[-2:] == ("harness", "__main__.py")):
             args = sys.argv[1:]
     if args is None:
         return f"python -m harness +exp={cfg.exp.name}" if cfg is not None else "python -m harness"
@@ -111,7 +116,12 @@ def summarize_from_disk(overrides: Sequence[str], same_code: bool = False) -> di
     if not hasattr(module, "summarize"):
         raise SystemExit(f"exp.kind {cfg.exp.kind!r} has no summary to rebuild")
     out_dir = Path(cfg.results_dir) / cfg.exp.name
-    return module.summarize(cfg, resolve_cells(cfg), out_dir, same_code=same_code)
+    import harness.report as imported  # under `python -m harness.report` this module runs as __main__: set the copy
+    imported._REBUILDING = list(overrides)   # that Summary reads
+    try:
+        return module.summarize(cfg, resolve_cells(cfg), out_dir, same_code=same_code)
+    finally:
+        imported._REBUILDING = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

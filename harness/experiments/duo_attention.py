@@ -182,7 +182,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
         loss.backward()
         optimizer.step()
         schedule.step()
-        history.append({"step": step, "distill": float(distill), "mean_gate": float(gates.clamp(0, 1).mean())})
+        history.append({"step": step, "distill": float(distill.detach()),
+                        "mean_gate": float(gates.detach().clamp(0, 1).mean())})
     with torch.no_grad():
         gates.clamp_(0, 1)
     metrics = {"gates": gates.detach().tolist(), "history": history, "teacher_seconds": teacher_s,
@@ -193,7 +194,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
 
 
 def summarize(cfg: DictConfig, cells: list, out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    """Rebuild the summary (and the profile file beside it) from the trained gates on disk."""
+    """Rebuild the summary (and the profile file beside it; with ship=true also the shipped LServe profile) from the
+    trained gates on disk."""
     from harness.assets import model_dir as resolve_model_dir
     from harness.cells import stored_metrics
     from systems.engine.models.llama import ModelSpec
@@ -202,7 +204,7 @@ def summarize(cfg: DictConfig, cells: list, out_dir: Path, same_code: bool = Tru
     metrics = stored_metrics(out_dir, f"duo_gates__{cfg.model.name}__steps{p['steps']}")
     if metrics is None:
         raise UserError(f"no trained gates under {out_dir}: run +exp=duo_attention first")
-    return _finish(cfg, metrics, {**p, "ship": False}, out_dir, ModelSpec.from_dir(resolve_model_dir(cfg.model.path)))
+    return _finish(cfg, metrics, p, out_dir, ModelSpec.from_dir(resolve_model_dir(cfg.model.path)))
 
 
 def _finish(cfg, metrics: dict, p: dict, out_dir: Path, spec) -> dict:

@@ -37,7 +37,7 @@ class LServe(Policy):
     reuse_interval: int = 4         # selector_update_interval
     sparsity: float = 0.5           # --static-sparsity: share of KV heads that stream
     profile_model: str = "smollm2-135m-instruct"
-    profile_task: str = "needlebench_mrt"   # a head_stability task (the proxy) | duo_attention (learned gates)
+    profile_task: str = "duo_attention"     # learned gates (+exp=duo_attention) | a head_stability task (the proxy)
     profile: str | None = None      # explicit profile file (overrides profile_model / profile_task)
     streaming_heads: list | None = None   # explicit [[layer, head], ...] (overrides any profile)
     granularity: str = "query_head"       # query_head (omniserve's per-(batch, query head) selector) | kv_head
