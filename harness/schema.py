@@ -27,7 +27,11 @@ class SystemConfig:
     policy: str = "dense"                # module name in systems/policies
     params: dict[str, Any] = field(default_factory=dict)  # policy hyperparameters (validated by the policy)
     batch_size: int = 8                  # requests handed to generate() at once
+    # serving settings; vllm reads device_memory_gb (its KV cache), max_num_seqs and max_num_batched_tokens from
+    # here too, so two systems compared for speed get the same capacity
     engine: EngineConfig = field(default_factory=EngineConfig)
+    omp_threads_bind: Optional[str] = None   # vllm's worker cores (VLLM_CPU_OMP_THREADS_BIND); null = every core
+                                             # this run may use, the set the engine's threads run on
 
 
 @dataclass

@@ -85,11 +85,16 @@ def start_engine_server(cell, model_dir: Path, cfg: DictConfig, p, log_dir: Path
 def start_server(cell, model_dir: Path, cfg: DictConfig, p, log_dir: Path):
     if cell.system.backend == "engine":
         return start_engine_server(cell, model_dir, cfg, p, log_dir)
+    from systems.hardware import allowed_cpus, cpu_list_text
     from systems.vllm import serve
     log_dir.mkdir(parents=True, exist_ok=True)
+    eng = cell.system.engine       # the same capacity and cores as the engine's server gets
     return serve(model_dir, free_port(), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                 max_num_seqs=p.vllm_max_num_seqs, served_model_name=model_dir.name,
-                 startup_timeout_s=p.startup_timeout_s, log_path=log_dir / "server.log")
+                 kv_cache_space_gb=eng.device_memory_gb, max_num_seqs=eng.max_num_seqs,
+                 extra_args=["--max-num-batched-tokens", str(eng.max_num_batched_tokens)],
+                 omp_threads_bind=cell.system.omp_threads_bind or cpu_list_text(allowed_cpus()),
+                 served_model_name=model_dir.name, startup_timeout_s=p.startup_timeout_s,
+                 log_path=log_dir / "server.log")
 
 
 def wait_idle(server, timeout_s: float = 60.0) -> None:

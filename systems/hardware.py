@@ -6,6 +6,7 @@ so the harness records `matrix_isa()` with every result and keys stored cells on
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -17,6 +18,24 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 
 @functools.lru_cache(maxsize=1)
+def allowed_cpus() -> list[int]:
+    """The cores this process may run on (its affinity), ascending."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_list_text(cpus: list[int] | set[int]) -> str:
+    """{0, 1, 2, 5} -> '0-2,5' (the kernel's and VLLM_CPU_OMP_THREADS_BIND's list format)."""
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

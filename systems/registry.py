@@ -79,9 +79,15 @@ def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any, device: str |
         return EngineSystem(str(model_dir), policy_name=system_cfg.policy, policy_params=dict(system_cfg.params),
                             engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name, device=device,
                             max_model_len=model_cfg.max_model_len)
+    from systems.engine.config import EngineConfig
+    from systems.hardware import allowed_cpus, cpu_list_text
     from systems.vllm import VLLMSystem
+
+    eng = EngineConfig.coerce(system_cfg.engine)
     return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
-                      name=system_cfg.name)
+                      name=system_cfg.name, kv_cache_space_gb=eng.device_memory_gb, max_num_seqs=eng.max_num_seqs,
+                      max_num_batched_tokens=eng.max_num_batched_tokens,
+                      omp_threads_bind=getattr(system_cfg, "omp_threads_bind", None) or cpu_list_text(allowed_cpus()))
 
 
 class _DimsView:

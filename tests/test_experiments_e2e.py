@@ -10,7 +10,7 @@ from harness.schema import register
 register()  # the structured config schema `python -m harness` registers on import
 
 TOY = ["model.dtype=float32", "model.max_input_tokens=1000", "model.max_model_len=2048", "progress=false"]
-SRT = "needlebench_srt:{lengths:[300],depths:[50],max_new_tokens:4}"
+SRT = "needlebench_srt:{lengths:[300],depths:[50],max_new_tokens:4,repeats:1}"
 
 
 def _run(exp: str, model_dir, results, *overrides):
@@ -130,7 +130,7 @@ def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
 def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("budget_sweep", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest,streaming]",
                              "exp.tasks=[needlebench_srt]", "exp.params.budgets=[32,64]", "exp.params.contexts={}",
-                             f"exp.params.task_params={{{SRT}}}")
+                             f"+exp.params.task_params.{SRT.replace(':', '=', 1)}")
     assert "score_vs_budget.png" in pngs and "Score, retention and fidelity per policy and budget" in md
     means = {(r["system"], r["budget"]) for r in rows if r["task"] == "MEAN"}
     assert means == {("engine-quest", "32"), ("engine-quest", "64"), ("engine-streaming", "32"),

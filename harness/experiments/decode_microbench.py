@@ -30,6 +30,7 @@ from harness import params as params_lib
 from harness import plots
 from harness.assets import model_dir as resolve_model_dir
 from harness.cells import cell_config, stored_metrics
+from harness.cpu_usage import CpuMeter
 from harness.envinfo import env_record
 from harness.params import GridParams
 from harness.runner import GridCell, UserError, apply_budget, load_group
@@ -130,23 +131,24 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: Params, devic
         now = time.perf_counter()
         mark["phase_s"][phase] = now - mark["t"]
         mark["t"] = now
-    for t in range(1, p.warmup + p.steps + 1):
-        need = kv.decode_blocks_needed(slots)
-        need[:, :first] = False                        # only the benchmarked layers hold KV
-        kv.allocate_decode(slots, need)
-        seqs = [SeqInfo(s, f"r{s}", n, n + t, t, p.steps) for s in range(batch)]
-        for layer in layers:
-            q = direction + p.query_noise * rand(batch, hq, d)
-            mark["t"] = time.perf_counter()
-            with torch.inference_mode():
-                runner.decode_layer(layer, q, rand(batch, hkv, d), rand(batch, hkv, d), slots, seqs, clock)
-            kv.sync_copies()
-            if t > p.warmup:
-                for phase in timings:
-                    timings[phase] += mark["phase_s"][phase]
-                sel = runner.last_selected
-                pages_read += (int(-(-kv.num_tokens[slots, layer].long() // page).sum()) if sel is None
-                               else _pages_read(sel, hkv, n + t + 1))
+    with CpuMeter() as meter:                          # the threads the timed steps actually kept busy
+        for t in range(1, p.warmup + p.steps + 1):
+            need = kv.decode_blocks_needed(slots)
+            need[:, :first] = False                        # only the benchmarked layers hold KV
+            kv.allocate_decode(slots, need)
+            seqs = [SeqInfo(s, f"r{s}", n, n + t, t, p.steps) for s in range(batch)]
+            for layer in layers:
+                q = direction + p.query_noise * rand(batch, hq, d)
+                mark["t"] = time.perf_counter()
+                with torch.inference_mode():
+                    runner.decode_layer(layer, q, rand(batch, hkv, d), rand(batch, hkv, d), slots, seqs, clock)
+                kv.sync_copies()
+                if t > p.warmup:
+                    for phase in timings:
+                        timings[phase] += mark["phase_s"][phase]
+                    sel = runner.last_selected
+                    pages_read += (int(-(-kv.num_tokens[slots, layer].long() // page).sum()) if sel is None
+                                   else _pages_read(sel, hkv, n + t + 1))
     per_step = {f"{k}_ms": 1000 * v / (p.steps * len(layers)) for k, v in timings.items()}
     params = OmegaConf.to_container(system_cfg.params, resolve=True)
     return {"system": system_cfg.name, "policy": system_cfg.policy, "batch": batch, "context": n,
@@ -156,7 +158,9 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: Params, devic
             "pages_per_head": -(-n // page), "layers": len(layers),
             "h2d_bytes_per_step": kv.bytes_host_to_device / ((p.warmup + p.steps) * len(layers)),
             "device_kv_bytes": kv.device_blocks.used_bytes, **dims, "dtype": str(dtype).replace("torch.", ""),
-            "device": str(device)}
+            "device": str(device), "cores_busy": meter.usage.cores_busy if meter.usage else None,
+            "busy_threads": meter.usage.busy_threads if meter.usage else None,
+            "cpus_allowed": meter.usage.cpus_allowed if meter.usage else None}
 
 
 def _pages_read(selected: torch.Tensor, hkv: int, tokens: int) -> int:
@@ -223,10 +227,11 @@ def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir
     summary = Summary(cfg, envs=envs)
     summary.glance(glance + " (one run, ratios > 1 = faster than the reference).")
     summary.table(["system", "granularity", "batch", "select ms", "attention ms", "after_append ms", "total ms",
-                   f"{ref} ÷ system", "pages read / KV head", "H2D KiB / step"],
+                   f"{ref} ÷ system", "pages read / KV head", "H2D KiB / step", "cores busy", "busy threads"],
                   [[r["system"], r.get("granularity") or "—", r["batch"], r["select_ms"], r["attention_ms"],
                     r["after_append_ms"], r["total_ms"], _ratio(at[(ref, r["batch"])]["total_ms"], r["total_ms"]),
-                    r["pages_read_per_head_step"], r["h2d_bytes_per_step"] / 1024] for r in results], 2)
+                    r["pages_read_per_head_step"], r["h2d_bytes_per_step"] / 1024, r.get("cores_busy"),
+                    r.get("busy_threads")] for r in results], 2)
     r0 = results[0]
     summary.text(f"{r0['layers']} distinct layers timed per step (a real step's dense KV outgrows the CPU's last-level "
                  f"cache; one layer alone would sit in it), {r0['num_q_heads']} query / {r0['num_kv_heads']} KV heads, "
@@ -235,7 +240,9 @@ def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir
                  "per layer and decode step, from the engine's own decode step. select = the policy's page selection; "
                  "attention = paged decode attention over the selected pages, read in place (all pages for dense; "
                  "per-query-head sets read the union of their group's pages); after_append = the policy's "
-                 "post-attention work (FlexiCache's host → device promotions).")
+                 "post-attention work (FlexiCache's host → device promotions). Cores busy (CPU seconds ÷ wall time) "
+                 f"and busy threads are read from /proc over the timed steps; CPUs allowed: "
+                 f"{r0.get('cpus_allowed') or '?'}.")
     summary.csv([{**r, "speedup_vs_reference": _ratio(at[(ref, r["batch"])]["total_ms"], r["total_ms"]),
                   "reference": ref} for r in results])
     summary.image("png_latency", plots.line_plot(

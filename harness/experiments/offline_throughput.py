@@ -18,6 +18,7 @@ from harness import plots
 from harness.accuracy_cells import Workspace
 from harness.assets import essay_files
 from harness.cells import cell_config, run_cell, stored_metrics
+from harness.cpu_usage import CpuMeter
 from harness.params import GridParams
 from harness.progress import RunProgress
 from harness.runner import GridCell
@@ -50,9 +51,10 @@ def build_requests(tokenizer, num: int, input_len: int, output_len: int, seed: i
 
 def measure(system, requests: list[GenerationRequest]) -> dict[str, Any]:
     system.reset_stats()
-    t0 = time.perf_counter()
-    completions = system.generate(requests)
-    wall = time.perf_counter() - t0
+    with CpuMeter() as meter:                # this process and its children (vLLM's engine core)
+        t0 = time.perf_counter()
+        completions = system.generate(requests)
+        wall = time.perf_counter() - t0
     prompt = sum(c.prompt_tokens for c in completions)
     output = sum(len(c.token_ids) for c in completions)
     mem = system.memory_report()
@@ -61,7 +63,13 @@ def measure(system, requests: list[GenerationRequest]) -> dict[str, Any]:
             "total_tok_s": (prompt + output) / wall, "output_tok_s": output / wall, "req_s": len(completions) / wall,
             "device_kv_peak_bytes": mem.device_kv_peak_bytes,
             "device_kv_peak_bytes_per_request": (mem.device_kv_peak_bytes or 0) / max(1, len(completions)),
-            "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None, "memory": mem.as_dict(), "mode": mem.mode}
+            "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None, "memory": mem.as_dict(), "mode": mem.mode,
+            **cpu_columns(meter.usage)}
+
+
+def cpu_columns(usage) -> dict[str, Any]:
+    return {"cores_busy": usage.cores_busy, "cpu_s": usage.cpu_s, "busy_threads": usage.busy_threads,
+            "cpus_allowed": usage.cpus_allowed} if usage else {}
 
 
 def jobs(cfg: DictConfig, cells: list[GridCell], p: Params) -> list[tuple[GridCell, int, str]]:
@@ -121,16 +129,23 @@ def write_summary(cfg, p: Params, results: list[dict], out_dir: Path) -> dict[st
     summary = Summary(cfg, envs=cell_envs(results))
     summary.glance(f"tokens/s of each system on the same requests, ratios to `{ref}`:", ratio_lines(results, ref))
     summary.table(["system", "in", "out", "requests", "total tok/s", "output tok/s", "req/s", "wall s",
-                   "device KV peak MiB", "mode"],
+                   "device KV peak MiB", "mode", "cores busy", "busy threads", "CPUs", "tok per CPU-s"],
                   [[r["system"], r["input_len"], r["output_len"], r["num_requests"], r["total_tok_s"],
-                    r["output_tok_s"], r["req_s"], r["wall_s"], (r["device_kv_peak_bytes"] or 0) / 2**20, r["mode"]]
+                    r["output_tok_s"], r["req_s"], r["wall_s"], (r["device_kv_peak_bytes"] or 0) / 2**20, r["mode"],
+                    r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed"),
+                    (r["prompt_tokens"] + r["output_tokens"]) / r["cpu_s"] if r.get("cpu_s") else None]
                    for r in results], 2)
     summary.text("Only `generate()` is timed (after one short warm-up call); EOS is ignored so every request produces "
                  "exactly its output length; device KV peak is the block manager's peak for the engine, the padded "
-                 "cache for hf, and peak KV usage × block bytes for vLLM.")
+                 "cache for hf, and peak KV usage × block bytes for vLLM. Cores busy = CPU seconds of this process "
+                 "and its children (vLLM's engine core) ÷ wall time, busy threads ran ≥ 10 % of it, CPUs = the "
+                 "cores they may use, all read from /proc; vLLM binds its worker to every core the run may use "
+                 "(`system.omp_threads_bind`), the engine runs one thread per core, and both get the same KV "
+                 "capacity (`engine.device_memory_gb`).")
     summary.csv([{k: r.get(k) for k in ("system", "input_len", "output_len", "num_requests", "total_tok_s",
                                         "output_tok_s", "req_s", "wall_s", "device_kv_peak_bytes",
-                                        "device_kv_peak_bytes_per_request", "mode")} for r in results])
+                                        "device_kv_peak_bytes_per_request", "mode", "cores_busy", "cpu_s",
+                                        "busy_threads", "cpus_allowed")} for r in results])
     if len({r["output_len"] for r in results}) > 1:
         summary.image("png", plots.line_plot(
             out_dir / "throughput_vs_output_len.png",

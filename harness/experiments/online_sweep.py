@@ -21,6 +21,7 @@ from harness import params as params_lib
 from harness import plots, report
 from harness.assets import model_dir as resolve_model_dir
 from harness.cells import cell_config, stored_metrics
+from harness.cpu_usage import CpuMeter
 from harness.envinfo import env_record
 from harness.loadgen import PROCESSES, Prompt, arrival_times, run_load
 from harness.params import GridParams
@@ -35,7 +36,7 @@ STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("m
 CSV_KEYS = ["system", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed", "failed",
             "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
             "total_token_throughput", "total_input_tokens", "total_output_tokens", *STAT_KEYS,
-            "max_output_tokens_per_s", "max_concurrent_requests"]
+            "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed"]
 
 
 @dataclass
@@ -54,7 +55,6 @@ class Params(GridParams):
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     max_queue: int = 1024                 # engine server: waiting requests beyond its running slots before 503
     startup_timeout_s: float = 600
-    vllm_max_num_seqs: int = 128
 
 
 def check(cfg: DictConfig, cells: list[GridCell], p: Params) -> None:
@@ -117,6 +117,12 @@ def run_rate(server, prompts: list[Prompt], rate: float, p: Params, seed: int) -
             "detail": detail}
 
 
+def _with_cpu(result: dict) -> dict:
+    cpu = result.get("cpu") or {}
+    return {**result["summary"], "cores_busy": cpu.get("cores_busy"), "busy_threads": cpu.get("busy_threads"),
+            "cpus_allowed": cpu.get("cpus_allowed")}
+
+
 def key_of(cell: GridCell, p: Params) -> str:
     tag = p.process + (f"{p.burstiness:g}" if p.process == "gamma" else "")
     return (cell.key.replace(f"__{cell.task.name}", "", 1)
@@ -145,14 +151,16 @@ def sweep_system(cfg, cell: GridCell, p: Params, windows, model_dir: Path, out_d
             path = store.root / f"rate_{rate:g}.json"
             if rate in todo:
                 wait_idle(server)
-                result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
+                with CpuMeter(server.process.pid) as meter:      # the server's whole process tree
+                    result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
+                result["cpu"] = meter.usage.as_dict() if meter.usage else None
                 atomic_write_json(path, result)
                 s = result["summary"]
                 print(f"[rate {rate:g}] {cell.system.name}: {s['completed']}/{n} completed, mean TTFT "
                       f"{s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.1f} ms", flush=True)
             rows.append({"system": cell.system.name, "request_rate": rate, "burstiness": p.burstiness,
                          "num_prompts": n, "input_len": p.input_len, "output_len": p.output_len,
-                         **json.loads(path.read_text())["summary"]})
+                         **_with_cpu(json.loads(path.read_text()))})
     finally:
         if server is not None:
             server.close()
@@ -194,10 +202,16 @@ def write_summary(cfg, p: Params, rows: list[dict], envs: list[dict], out_dir: P
                  f"at {p.max_seconds:g} s. Latencies in ms.")
     keys = ["system", "request_rate", "completed", "failed", "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-            "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "max_concurrent_requests"]
+            "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "max_concurrent_requests", "cores_busy", "busy_threads",
+            "cpus_allowed"]
     summary.table(["system", "rate req/s", "done", "failed", "req/s", "out tok/s", "mean TTFT", "median TTFT",
                    "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT", "mean ITL", "p99 ITL", "mean E2EL",
-                   "peak concurrency"], [[r.get(k) for k in keys] for r in rows], 1)
+                   "peak concurrency", "cores busy", "busy threads", "CPUs"], [[r.get(k) for k in keys] for r in rows],
+                  1)
+    summary.text("Cores busy = the server process tree's CPU seconds ÷ the rate's wall time; busy threads ran for at "
+                 "least 10 % of it; CPUs = the cores its processes may use (all from /proc). Both servers get the "
+                 "same cores, device KV capacity (`engine.device_memory_gb`; vLLM's kv_cache_memory_bytes), "
+                 "max_num_seqs and max_num_batched_tokens.")
     summary.text("Definitions (`vllm bench serve`): TTFT = first token chunk − request start; TPOT = (E2EL − TTFT) / "
                  "(output tokens − 1) per request; ITL = gaps between consecutive token chunks pooled over requests; "
                  "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "

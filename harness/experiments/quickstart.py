@@ -37,7 +37,7 @@ class Throughput:
     num_requests: int = 8
     input_len: int = 2000
     output_len: int = 64
-    device_memory_gb: float = 0.25        # the engine's device pool, capped
+    device_memory_gb: float = 0.25        # every system's device KV capacity (engine pool, vLLM's KV cache), capped
 
 
 @dataclass
@@ -54,8 +54,7 @@ def throughput_cells(cfg: DictConfig, p: Params) -> list[tuple[DictConfig, str]]
         system = load_group("system", name, SystemConfig)
         if p.budget is not None:
             apply_budget(system, p.budget)
-        if system.backend == "engine":
-            system.engine.device_memory_gb = tp.device_memory_gb
+        system.engine.device_memory_gb = tp.device_memory_gb     # the engines' pools and vLLM's KV cache alike
         out.append((system, f"throughput__{system.name}__n{tp.num_requests}_in{tp.input_len}_out{tp.output_len}"))
     return out
 
@@ -129,16 +128,22 @@ def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Pat
     summary.reasons(p.size_reason, p.budget_reason, budget)
     accuracy_report.standard_sections(summary, data, REFERENCE, out_dir, plot_name="quickstart_retention.png")
     tp_table = [[t["system"], t["output_tok_s"], t["total_tok_s"], (t["device_kv_bytes_per_request"] or 0) / 2**20,
-                 t["tok_s_ratio"], t["kv_ratio"], t["mode"]] for t in tput]
+                 t["tok_s_ratio"], t["kv_ratio"], t["mode"], t.get("cores_busy"), t.get("busy_threads"),
+                 t.get("cpus_allowed")] for t in tput]
     summary.section(f"Offline throughput: {tp.num_requests} requests × ({tp.input_len} in + {tp.output_len} out), "
-                    f"engine device pool capped at {tp.device_memory_gb} GB")
+                    f"device KV capacity capped at {tp.device_memory_gb} GB for every system")
     summary.table(["system", "output tok/s", "total tok/s", "device KV per request (MiB)", "tok/s ÷ dense",
-                   "KV ÷ dense", "mode"], tp_table, 2)
+                   "KV ÷ dense", "mode", "cores busy", "busy threads", "CPUs"], tp_table, 2)
     summary.text("Device KV per request is the device-tier peak of one request run alone (prompt + output); "
-                 "throughput times only `generate()` after a warm-up call, EOS ignored.")
+                 "throughput times only `generate()` after a warm-up call, EOS ignored. Every system gets the same "
+                 "cores and KV capacity (vLLM's kv_cache_memory_bytes = the engine's device pool); cores busy = CPU "
+                 "seconds ÷ wall time of this process and its children, busy threads ran ≥ 10 % of the time, CPUs "
+                 "= the cores they may use, all from /proc.")
     summary.csv([{"part": "throughput", "system": t["system"], "output_tok_s": t["output_tok_s"],
                   "total_tok_s": t["total_tok_s"], "device_kv_bytes_per_request": t["device_kv_bytes_per_request"],
-                  "tok_s_ratio": t["tok_s_ratio"], "kv_ratio": t["kv_ratio"], "mode": t["mode"]} for t in tput])
+                  "tok_s_ratio": t["tok_s_ratio"], "kv_ratio": t["kv_ratio"], "mode": t["mode"],
+                  "cores_busy": t.get("cores_busy"), "busy_threads": t.get("busy_threads"),
+                  "cpus_allowed": t.get("cpus_allowed")} for t in tput])
     summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in acc)
                  + sum(t.get("wall_s", 0) for t in tput), "accuracy cells + timed throughput")
     return summary.write(out_dir)

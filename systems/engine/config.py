@@ -15,14 +15,16 @@ DECODE_TILE = 16
 
 @dataclass
 class EngineConfig:
-    """Knobs of the paged engine (systems/engine); ignored by hf and vllm."""
+    """Knobs of the paged engine (systems/engine). The vllm backend takes device_memory_gb (its KV cache),
+    max_num_seqs and max_num_batched_tokens from here too, so a comparison gives both the same capacity; hf ignores
+    them."""
 
     page_size: int = 16                  # tokens per KV page (one block = one page of one layer and KV head)
     device_memory_gb: float = 2.0        # device-tier KV pool capacity
     host_memory_gb: float = 8.0          # host-tier KV pool capacity
     max_num_seqs: int = 16               # sequences decoded together
     max_num_batched_tokens: int = 8192   # prompt tokens packed into one prefill step
-    threads: Optional[int] = None        # torch CPU threads; null = torch's default (one per core)
+    threads: Optional[int] = None        # torch CPU threads; null = torch's setting (one per core by default)
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
 
     @classmethod
