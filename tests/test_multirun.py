@@ -42,4 +42,5 @@ def test_sweep_on_a_local_ray_cluster(tiny_llama_dir, tmp_path):
                          "hydra.launcher.ray.remote.num_gpus=0")
     assert {"engine-dense", "engine-streaming"} <= systems
     made = next(line for line in md.splitlines() if line.startswith("Made by"))
-    assert "hydra/launcher" not in made and "_remote" not in made and "system=" in made   # the user's overrides, not a worker's
+    # the user's overrides, not a worker's argv
+    assert "hydra/launcher" not in made and "_remote" not in made and "system=" in made

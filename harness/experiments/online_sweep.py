@@ -55,6 +55,9 @@ class Params(GridParams):
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     max_queue: int = 1024                 # engine server: waiting requests beyond its running slots before 503
     startup_timeout_s: float = 600
+    # the at-a-glance comparison: `focus`'s TPOT against each of `versus` at the highest rate versus[0] sustains
+    focus: Optional[str] = None
+    versus: list[str] = field(default_factory=list)
 
 
 def check(cfg: DictConfig, cells: list[GridCell], p: Params) -> None:
@@ -188,6 +191,26 @@ def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: 
     return paths
 
 
+def sustains(r: dict) -> bool:
+    """Every request of the rate completed, at no less than 90 % of the offered rate (no growing queue)."""
+    return r["completed"] == r["num_prompts"] and r["request_throughput"] >= 0.9 * r["request_rate"]
+
+
+def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
+    """`focus`'s mean TPOT ratio to each system of `versus`, at the highest rate versus[0] sustains."""
+    base = [r for r in rows if r["system"] == versus[0] and sustains(r)]
+    if not base:
+        return f"`{versus[0]}` sustains none of the rates, so no rate anchors the comparison."
+    rate = max(r["request_rate"] for r in base)
+    at = {r["system"]: r for r in rows if r["request_rate"] == rate}
+    if focus not in at:
+        return None
+    parts = [f"{at[v]['mean_tpot_ms'] / at[focus]['mean_tpot_ms']:.2f}× lower than `{v}`'s "
+             f"({at[v]['mean_tpot_ms']:.0f} ms)" for v in versus if v in at and at[focus]["mean_tpot_ms"]]
+    return (f"at {rate:g} req/s, the highest rate `{versus[0]}` sustains (all requests done at ≥ 90 % of the offered "
+            f"rate), `{focus}`'s mean TPOT ({at[focus]['mean_tpot_ms']:.0f} ms) is " + " and ".join(parts) + ".")
+
+
 def write_summary(cfg, p: Params, rows: list[dict], envs: list[dict], out_dir: Path) -> dict[str, str]:
     summary = Summary(cfg, envs=envs)
     if rows:
@@ -195,7 +218,8 @@ def write_summary(cfg, p: Params, rows: list[dict], envs: list[dict], out_dir: P
         summary.glance(f"at {top:g} req/s (the highest rate) mean " + "; ".join(
             f"`{r['system']}` TPOT {report.fmt(r['mean_tpot_ms'])} ms, TTFT {report.fmt(r['mean_ttft_ms'])} ms (p99 "
             f"{report.fmt(r['p99_ttft_ms'])}), {r['completed']}/{r['num_prompts']} completed"
-            for r in rows if r["request_rate"] == top) + ".")
+            for r in rows if r["request_rate"] == top) + ".",
+            [line] if p.focus and p.versus and (line := focus_line(rows, p.focus, p.versus)) else ())
     arrivals = p.process + (f" (burstiness {p.burstiness:g})" if p.process == "gamma" else "")
     summary.text(f"{p.num_prompts} requests per rate × ({p.input_len} prompt tokens + {p.output_len} output tokens, "
                  f"EOS ignored, greedy), {arrivals} arrivals rescaled so the last lands at N/rate, each rate capped "

@@ -26,6 +26,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192   # prompt tokens packed into one prefill step
     threads: Optional[int] = None        # torch CPU threads; null = torch's setting (one per core by default)
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
+    chunked_prefill: bool = True         # decodes share each step with prompt chunks (off in batch-invariant mode)
 
     @classmethod
     def coerce(cls, cfg: Any) -> EngineConfig:

@@ -42,7 +42,10 @@ class Engine:
             host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops)
         self.policy = policy
         policy.bind(self.kv)
-        self.scheduler = Scheduler(self.kv, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        # batch-invariant mode never mixes prefill and decode rows in one forward (a row's matmul shape would then
+        # depend on its neighbours), so it prefills whole prompts
+        self.scheduler = Scheduler(self.kv, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   chunked_prefill=cfg.chunked_prefill and not cfg.batch_invariant)
         self.runner = ModelRunner(self.model, self.kv, policy, self.ops, batch_invariant=cfg.batch_invariant)
         eos = set(spec.eos_token_ids)
         self.is_eos = is_eos or (lambda t: t in eos)
@@ -69,19 +72,24 @@ class Engine:
         return seq
 
     def step(self) -> list[Sequence]:
-        """One scheduler step (a prefill or a decode forward); returns the sequences that finished in it."""
+        """One scheduler step (one forward over decodes and prompt chunks); returns the sequences that finished."""
         now = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule(now)
-        if not seqs:
+        work = self.scheduler.schedule(now)
+        if not work:
             nxt = self.scheduler.next_arrival()
             if nxt is not None and not self.scheduler.running:
                 time.sleep(min(max(nxt - now, 0.0), 0.05))
             return []
-        logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+        logits = self.runner.run_step(work.decodes, work.chunks)
+        for seq, _, end in work.chunks:
+            seq.num_computed = end
+        seqs = work.decodes + [s for s, _, end in work.chunks if end == s.prefill_len]
+        stamp = time.perf_counter()
+        self.steps["prefill" if work.chunks else "decode"] += 1
+        if not seqs:                 # only partial chunks: no token yet
+            return []
         tokens = sample(logits, seqs)
         self._record_logprobs(seqs, logits, tokens)
-        stamp = time.perf_counter()
-        self.steps["prefill" if is_prefill else "decode"] += 1
         self._track_minmax()
         finished = []
         for seq, tok in zip(seqs, tokens):

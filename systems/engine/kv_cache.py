@@ -71,20 +71,36 @@ class TieredKVCache:
         return self.device_blocks.alloc(n).to(self.device)
 
     # ---- prefill and decode writes (engine side) -----------------------------------------------------------------
-    def store_prefill(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a whole prompt's K/V [n, Hkv, D] for one layer into fresh pages, in position order."""
+    def store_prefill(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Store prompt K/V [n, Hkv, D] of positions start .. start+n-1 for one layer, in position order: the whole
+        prompt (start 0, fresh pages) or one chunk of it after the `start` tokens already stored (chunked prefill:
+        the chunk fills the last page first, then fresh pages)."""
         n, H, D = k.shape
         P = self.page_size
-        pages = -(-n // P)
-        ids = self._alloc_device(H * pages).view(H, pages)
-        self.block_table[slot, layer, :, :pages] = ids
-        tok = torch.arange(n, device=self.device)
+        first, end = start // P, -(-(start + n) // P)
+        have = -(-start // P)                                           # pages already holding the earlier tokens
+        if end > have:
+            self.block_table[slot, layer, :, have:end] = self._alloc_device(H * (end - have)).view(H, end - have)
+        ids = self.block_table[slot, layer, :, :end].long()
+        tok = torch.arange(start, start + n, device=self.device)
         block_ids = ids[:, tok // P].reshape(-1)
         offsets = (tok % P).repeat(H)
         self.ops.store_kv(self.k_pool, self.v_pool, k.transpose(0, 1).reshape(H * n, D),
                           v.transpose(0, 1).reshape(H * n, D), block_ids, offsets)
-        self.num_tokens[slot, layer] = n
-        self.refresh_minmax(slot, layer)
+        self.num_tokens[slot, layer] = start + n
+        if start == 0:
+            self.refresh_minmax(slot, layer)
+        else:
+            self.refresh_minmax(slot, layer, pages=range(first, end))
+
+    def prompt_kv(self, slot: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n stored tokens' K and V [n, Hkv, D] of one layer (a prompt mid-prefill: all resident, in
+        position order)."""
+        ids = self.block_table[slot, layer, :, :-(-n // self.page_size)].reshape(-1).long()
+        shape = (self.num_kv_heads, -1, self.head_dim)
+        k = self.k_pool.index_select(0, ids).view(shape)[:, :n]
+        v = self.v_pool.index_select(0, ids).view(shape)[:, :n]
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     def decode_blocks_needed(self, slots: torch.Tensor) -> torch.Tensor:
         """[B, L, Hkv] bool: heads whose next token opens a page that has no device block yet."""
@@ -131,13 +147,16 @@ class TieredKVCache:
         self.num_tokens[slot].zero_()
         self._paused.discard(slot)
 
-    def refresh_minmax(self, slot: int, layer: int, heads: torch.Tensor | None = None) -> None:
-        """Recompute the MinMax entries of every resident page of the given heads from the pool."""
+    def refresh_minmax(self, slot: int, layer: int, heads: torch.Tensor | None = None,
+                       pages: range | None = None) -> None:
+        """Recompute the MinMax entries of every resident page of the given heads (or only the pages in `pages`)
+        from the pool."""
         heads = self._heads if heads is None else heads
         P = self.page_size
         cnt = self.num_tokens[slot, layer, heads].long()                # [h]
         n_pages = -(-cnt // P)
-        page = torch.arange(int(n_pages.max()), device=self.device)
+        page = (torch.arange(int(n_pages.max()), device=self.device) if pages is None
+                else torch.arange(pages.start, pages.stop, device=self.device))
         valid = page.view(1, -1) < n_pages.view(-1, 1)                  # [h, pages]
         pos = torch.arange(heads.numel(), device=self.device).view(-1, 1).expand_as(valid)[valid]
         hh, pp = heads[pos], page.view(1, -1).expand_as(valid)[valid]

@@ -32,30 +32,61 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Whole-prompt prefill of each sequence (no cached prefix); returns last-position logits [B, V]."""
-        lengths = [len(s.token_ids) for s in seqs]
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        bounds = [0]
-        for n in lengths:
-            bounds.append(bounds[-1] + n)
-        infos = [s.info() for s in seqs]
-        kv, policy = self.kv, self.policy
+        return self.run_step([], [(s, 0, s.prefill_len) for s in seqs])
+
+    @torch.inference_mode()
+    def run_step(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """One forward over decode tokens and prompt chunks (sequence, start, end) together; returns logits [R, V]
+        for the rows that yield a token: every decode, then every chunk that completes its prompt."""
+        dev = self.device
+        ids = [s.token_ids[-1] for s in decodes] + [t for s, a, b in chunks for t in s.token_ids[a:b]]
+        positions = torch.cat([torch.tensor([len(s.token_ids) - 1 for s in decodes], dtype=torch.long)]
+                              + [torch.arange(a, b) for _, a, b in chunks]).to(dev)
+        bounds = [len(decodes)]
+        for _, a, b in chunks:
+            bounds.append(bounds[-1] + b - a)
+        slots = torch.tensor([s.slot for s in decodes], device=dev)
+        dec_infos, infos = [s.info() for s in decodes], [s.info() for s, _, _ in chunks]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            outs = []
-            for i in range(len(seqs)):
-                a, b = bounds[i], bounds[i + 1]
-                qi, ki, vi = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-                # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=kv.scale, enable_gqa=True)
-                outs.append(o[0].transpose(0, 1))
-                kv.store_prefill(infos[i].slot, layer, k[a:b], v[a:b])
-                policy.after_prefill_layer(kv, infos[i], layer, q[a:b], k[a:b])
+            nd = len(decodes)
+            outs = [self.decode_layer(layer, q[:nd], k[:nd], v[:nd], slots, dec_infos)] if nd else []
+            for i, (seq, a, b) in enumerate(chunks):
+                r0, r1 = bounds[i], bounds[i + 1]
+                outs.append(self._prefill_layer(seq, infos[i], layer, a, b, q[r0:r1], k[r0:r1], v[r0:r1]))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-        hidden = self._model().forward(ids, positions, attend, tile=self.prefill_tile)
-        last = torch.tensor([b - 1 for b in bounds[1:]], device=self.device)
-        return self._model().logits(hidden[last], tile=self.decode_tile)
+        tile = self.prefill_tile if chunks else self.decode_tile
+        hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=tile)
+        rows = list(range(len(decodes))) + [bounds[i + 1] - 1 for i, (s, _, b) in enumerate(chunks)
+                                            if b == s.prefill_len]
+        return self._model().logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], tile=self.decode_tile)
+
+    def _prefill_layer(self, seq: Sequence, info: SeqInfo, layer: int, a: int, b: int, q: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Prompt positions a..b-1 of one sequence at one layer: store their K/V, attend causally to the prompt so
+        far, and when the prompt is complete hand the policy the whole prompt's queries and keys."""
+        kv = self.kv
+        kv.store_prefill(info.slot, layer, k, v, start=a)
+        if a == 0:
+            keys, values, mask, causal = k, v, None, True
+        else:       # earlier chunks are stored (all resident): read them back, mask by position
+            k_prev, v_prev = kv.prompt_kv(info.slot, layer, a)
+            keys, values = torch.cat([k_prev, k]), torch.cat([v_prev, v])
+            pos = torch.arange(b, device=q.device)
+            mask, causal = pos.view(1, -1) <= pos[a:].view(-1, 1), False
+        qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
+        # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
+        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=kv.scale,
+                                             enable_gqa=True)[0].transpose(0, 1)
+        if b < seq.prefill_len:
+            seq.prompt_qk.setdefault(layer, []).append((q, k))
+        else:
+            parts = seq.prompt_qk.pop(layer, [])
+            q_all = torch.cat([p[0] for p in parts] + [q]) if parts else q
+            k_all = torch.cat([p[1] for p in parts] + [k]) if parts else k
+            self.policy.after_prefill_layer(kv, info, layer, q_all, k_all)
+        return out
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -1,12 +1,19 @@
-"""Continuous batching: admit by device-tier footprint, prefill first, decode the rest, preempt by recompute.
+"""Continuous batching: admit by device-tier footprint, prefill (whole or in chunks), decode, preempt by recompute.
 
-Prefill limit (instead of chunked prefill): a sequence is prefilled in one forward, because eviction policies
-(SnapKV, CAKE's cascading) need a layer's whole prompt KV at once. Several prompts share a prefill step while their
-total stays within max_num_batched_tokens; a longer prompt runs alone in its own step.
+Two modes. Chunked prefill (the default, as vLLM's scheduler): every step first decodes the running sequences, then
+spends what is left of max_num_batched_tokens on prompt chunks — sequences mid-prefill first, then new arrivals —
+so a long arrival no longer stalls the decodes. A chunked prompt keeps every page resident until its last chunk is
+stored; then the policy sees the whole prompt at once (its after_prefill_layer hooks run in that step), so
+eviction policies keep their semantics, and admission reserves the prompt's full footprint for it.
+
+Whole-prompt prefill (chunked_prefill off, and always in batch-invariant mode, where a row's matmul shape must not
+depend on what shares its step): prefill steps and decode steps alternate, several prompts share a prefill step
+while their total stays within max_num_batched_tokens, a longer prompt runs alone.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,10 +22,23 @@ from systems.engine.sequence import Sequence, Status
 from systems.policies.base import Policy
 
 
+@dataclass
+class Step:
+    """One forward's work: sequences decoding one token, and prompt chunks (sequence, start, end)."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    chunks: list[tuple[Sequence, int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.chunks)
+
+
 class Scheduler:
-    def __init__(self, kv: TieredKVCache, policy: Policy, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: TieredKVCache, policy: Policy, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked_prefill: bool = False):
         self.kv, self.policy = kv, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -34,24 +54,52 @@ class Scheduler:
     def next_arrival(self) -> float | None:
         return min((s.arrival_time for s in self.waiting), default=None)
 
-    def schedule(self, now: float) -> tuple[list[Sequence], bool]:
-        """The sequences to run this step and whether it is a prefill step (empty when nothing can run yet)."""
-        batch = self._admit(now)
+    def schedule(self, now: float) -> Step:
+        """This step's work (empty when nothing can run yet)."""
+        if self.chunked_prefill:
+            return self._schedule_chunked(now)
+        batch = self._admit(now, self.max_num_batched_tokens, chunked=False)
         if batch:
-            return batch, True
-        return self._decode_batch(), False
+            return Step(chunks=[(s, 0, s.prefill_len) for s in batch])
+        return Step(decodes=self._decode_batch(list(self.running)))
 
-    def _admit(self, now: float) -> list[Sequence]:
+    def _schedule_chunked(self, now: float) -> Step:
+        decodes = self._decode_batch([s for s in self.running if not s.in_prefill])
+        budget = self.max_num_batched_tokens - len(decodes)
+        chunks = []
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0:
+                break
+            end = min(seq.prefill_len, seq.num_computed + budget)
+            chunks.append((seq, seq.num_computed, end))
+            budget -= end - seq.num_computed
+        if budget > 0:
+            for seq in self._admit(now, budget, chunked=True):
+                end = min(seq.prefill_len, budget)
+                chunks.append((seq, 0, end))
+                budget -= end
+        return Step(decodes=decodes, chunks=chunks)
+
+    def _dense_blocks(self, tokens: int) -> int:
+        return self.blocks_per_page_row * -(-tokens // self.kv.page_size)
+
+    def _admit(self, now: float, token_budget: int, chunked: bool) -> list[Sequence]:
         batch: list[Sequence] = []
         tokens = reserved = 0
         headroom = self.blocks_per_page_row * len(self.running)   # next decode pages of the running sequences
+        # pages that prompts mid-prefill will still store (their reservation not yet drawn from the pool)
+        headroom += sum(self._dense_blocks(s.prefill_len) - self._dense_blocks(s.num_computed)
+                        for s in self.running if s.in_prefill)
         for seq in list(self.waiting):
             if seq.arrival_time > now or len(self.running) + len(batch) >= self.max_num_seqs:
                 break
             n = len(seq.token_ids)
-            if batch and tokens + n > self.max_num_batched_tokens:
+            left = token_budget - tokens
+            if left <= 0 or (not chunked and batch and n > left):
                 break
-            need = self.policy.device_blocks_needed(n, seq.remaining_tokens)
+            # a prompt stored in several chunks holds all its pages until its last chunk: the dense footprint
+            split = chunked and n > left
+            need = (self._dense_blocks(n) if split else self.policy.device_blocks_needed(n, seq.remaining_tokens))
             if need + reserved + headroom > self.kv.free_device_blocks():
                 if not self.running and not batch and need > self.kv.device_blocks.capacity:
                     raise RuntimeError(
@@ -62,23 +110,24 @@ class Scheduler:
             seq.slot = self.free_slots.pop()
             seq.status = Status.RUNNING
             seq.prefill_len = n
+            seq.num_computed = 0
             seq.decode_step = 0
             self.policy.reset(seq.slot)
             batch.append(seq)
-            tokens += n
+            tokens += min(n, left)
             reserved += need
         self.running.extend(batch)
         return batch
 
-    def _decode_batch(self) -> list[Sequence]:
-        if not self.running:
+    def _decode_batch(self, candidates: list[Sequence]) -> list[Sequence]:
+        if not candidates:
             return []
-        self.policy.begin_decode_step(self.kv, [s.info() for s in self.running])
+        self.policy.begin_decode_step(self.kv, [s.info() for s in candidates])
         paused = self.kv.take_paused()
-        batch = [s for s in self.running if s.slot not in paused]
+        batch = [s for s in candidates if s.slot not in paused]
         if not batch:                        # everyone waits on a copy: wait for it rather than spin
             self.kv.sync_copies()
-            batch = list(self.running)
+            batch = list(candidates)
         while True:
             slots = torch.tensor([s.slot for s in batch], device=self.kv.device)
             need = self.kv.decode_blocks_needed(slots)
@@ -102,7 +151,8 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        seq.kv_stats = self.policy.kv_stats(self.kv, seq.info())
+        if not seq.in_prefill:
+            seq.kv_stats = self.policy.kv_stats(self.kv, seq.info())
         self._release(seq)
         seq.status = Status.FINISHED
 
@@ -113,3 +163,5 @@ class Scheduler:
         self.running.remove(seq)
         self.free_slots.append(seq.slot)
         seq.slot = None
+        seq.num_computed = 0
+        seq.prompt_qk = {}

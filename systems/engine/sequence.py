@@ -26,6 +26,9 @@ class Sequence:
         self.status = Status.WAITING
         self.slot: int | None = None
         self.prefill_len = 0
+        self.num_computed = 0                   # prompt tokens stored so far (chunked prefill), prefill_len when done
+        # chunked prefill: each layer's query and key rows of the chunks so far, for the hooks that see the prompt
+        self.prompt_qk: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.decode_step = 0
         self.finish_reason = "length"
         self.text = ""
@@ -46,6 +49,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_len
 
     @property
     def remaining_tokens(self) -> int:

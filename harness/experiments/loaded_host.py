@@ -1,0 +1,134 @@
+"""Speed on a shared host: each system at 1 and at every allowed core, on an idle machine and beside CPU burners.
+
+A benchmark a user can rerun on their own machine: the same offline requests through engine-dense (torch threads)
+and vLLM (its worker bound to the same cores), first alone, then while `background` busy-loop processes compete for
+the cores. It answers whether more threads ever lose to fewer when the machine is busy (the failure OpenMP's
+spin-waiting barriers cause: a waiting thread burns its time slice while the thread it waits for is descheduled),
+and prints what each run actually used from /proc.
+"""
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from harness import params as params_lib
+from harness.accuracy_cells import Workspace
+from harness.cells import cell_config, run_cell, stored_metrics
+from harness.experiments.offline_throughput import build_requests, measure
+from harness.params import GridParams
+from harness.progress import RunProgress
+from harness.runner import GridCell
+from harness.summary import Summary, cell_envs, print_paths
+from systems.base import GenerationRequest
+from systems.hardware import allowed_cpus, cpu_list_text
+
+
+@dataclass
+class Params(GridParams):
+    threads: list[int] = field(default_factory=lambda: [1, 0])       # 0 = every core this run may use
+    background: list[int] = field(default_factory=lambda: [0, 1])     # CPU-burning processes beside the run
+    num_requests: int = 4
+    input_len: int = 1500
+    output_len: int = 32
+
+
+def _burn(stop_at: float) -> None:
+    while time.time() < stop_at:
+        pass
+
+
+def with_threads(system: DictConfig, threads: int) -> DictConfig:
+    """The system on its first `threads` allowed cores (engine: torch threads; vLLM: its worker's bind list)."""
+    out = copy.deepcopy(system)
+    cores = allowed_cpus()[:threads]
+    if out.backend == "vllm":
+        out.omp_threads_bind = cpu_list_text(cores)
+    else:
+        out.engine.threads = len(cores)
+    return out
+
+
+def points(cells: list[GridCell], p: Params) -> list[tuple[DictConfig, int, int, str]]:
+    n_cores = len(allowed_cpus())
+    out = []
+    for cell in {c.system.name: c for c in cells}.values():
+        for t in p.threads:
+            threads = t or n_cores
+            for bg in p.background:
+                key = f"{cell.system.name}__t{threads}_bg{bg}__n{p.num_requests}_in{p.input_len}_out{p.output_len}"
+                out.append((with_threads(cell.system, threads), threads, bg, key))
+    return out
+
+
+def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
+    p = params_lib.parse(cfg, Params)
+    todo = points(cells, p)
+    ws = Workspace(cfg)
+    progress = RunProgress(len(todo), len(todo) * p.num_requests, enabled=cfg.progress)
+    results = []
+    try:
+        for system, threads, bg, key in todo:
+            def work(store, system=system, threads=threads, bg=bg) -> dict:
+                reqs = build_requests(ws.tokenizer, p.num_requests, p.input_len, p.output_len, cfg.seed)
+                sut = ws.system(system)
+                sut.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
+                burners = [mp.get_context("spawn").Process(target=_burn, args=(time.time() + 3600,), daemon=True)
+                           for _ in range(bg)]
+                for b in burners:
+                    b.start()
+                try:
+                    return {"system": system.name, "threads": threads, "background": bg, **measure(sut, reqs)}
+                finally:
+                    for b in burners:
+                        b.kill()
+                        b.join()
+            results.append(run_cell(cfg, key, cell_config(cfg, system=system, background=bg), out_dir, work,
+                                    progress, f"{system.name} × {threads} thread(s), {bg} burner(s)",
+                                    p.num_requests))
+    finally:
+        progress.close()
+        ws.close()
+    summarize(cfg, cells, out_dir)
+    return results
+
+
+def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
+    p = params_lib.parse(cfg, Params)
+    rows = [m for *_, key in points(cells, p) if (m := stored_metrics(out_dir, key))]
+    paths = write_summary(cfg, p, rows, out_dir)
+    print_paths(paths)
+    return paths
+
+
+def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, str]:
+    summary = Summary(cfg, f"{cfg.exp.name}: throughput on an idle and on a busy host", envs=cell_envs(rows))
+    verdicts = []
+    for system in dict.fromkeys(r["system"] for r in rows):
+        for bg in sorted({r["background"] for r in rows}):
+            runs = sorted((r for r in rows if r["system"] == system and r["background"] == bg),
+                          key=lambda r: r["threads"])
+            if len(runs) > 1:
+                few, many = runs[0], runs[-1]
+                verdicts.append(f"`{system}` with {bg} burner(s): {many['threads']} threads "
+                                f"{many['total_tok_s'] / few['total_tok_s']:.2f}× the tok/s of {few['threads']} "
+                                f"({many['total_tok_s']:.0f} vs {few['total_tok_s']:.0f})")
+    summary.glance("more threads vs fewer, per system and background load (one run; > 1 = more threads faster):",
+                   verdicts)
+    summary.table(["system", "threads", "burners", "total tok/s", "output tok/s", "wall s", "cores busy",
+                   "busy threads", "CPUs"],
+                  [[r["system"], r["threads"], r["background"], r["total_tok_s"], r["output_tok_s"], r["wall_s"],
+                    r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed")] for r in rows], 2)
+    summary.text(f"{p.num_requests} requests × ({p.input_len} + {p.output_len} tokens, EOS ignored), timed as "
+                 "offline_throughput times them. A burner is a busy-looping process started after the warm-up and "
+                 "killed after the run; cores busy counts only the system's own processes (CPU seconds ÷ wall), "
+                 "read from /proc.")
+    summary.csv([{k: r.get(k) for k in ("system", "threads", "background", "total_tok_s", "output_tok_s", "wall_s",
+                                        "cores_busy", "cpu_s", "busy_threads", "cpus_allowed")} for r in rows])
+    summary.took(sum(r.get("wall_s", 0) for r in rows), "timed generate() calls")
+    return summary.write(out_dir)
