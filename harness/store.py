@@ -13,6 +13,7 @@ never mixes code versions or machine classes under one provenance line.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 import yaml
 
 from harness.envinfo import code_identity, static_env
+
+log = logging.getLogger("kvharness")
 
 PREDICTIONS, METRICS, CONFIG, ENV = "predictions.jsonl", "metrics.json", "config.yaml", "env.json"
 
@@ -93,7 +96,7 @@ class CellStore:
             n += 1
             target = self.root.with_name(f"{stem}-{n}")
         os.replace(self.root, target)
-        print(f"[stale] {self.root.name}: {why}; moved to {target.name}, running it again", flush=True)
+        log.warning("stale cell %s: %s; moved to %s, running it again", self.root.name, why, target.name)
         return True
 
     def open(self, config_yaml: str, env: dict) -> None:

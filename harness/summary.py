@@ -6,6 +6,7 @@ machine class, versions). Files are written whole and renamed, so a reader never
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ from harness import report
 from harness.envinfo import machine_class, static_env
 from harness.store import atomic_write_text
 from systems.hardware import dtype_name
+
+log = logging.getLogger("kvharness")
 
 
 class Summary:
@@ -114,6 +117,7 @@ def cell_envs(metrics: list[dict]) -> list[dict]:
 
 
 def print_paths(paths: dict[str, str]) -> None:
-    print(Path(paths["md"]).read_text())
+    """The summary on stdout (the tables a user runs the experiment for); the files written, in the log."""
+    print(Path(paths["md"]).read_text(), flush=True)
     for kind, path in paths.items():
-        print(f"[{kind}] {path}")
+        log.info("wrote %s: %s", kind, path)

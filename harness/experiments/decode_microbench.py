@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from systems.hardware import resolve_dtype
 from systems.policies import load_policy
 from systems.policies.base import SeqInfo
 from systems.registry import SystemConfigError, check_system, policy_class
+
+log = logging.getLogger("kvharness")
 
 GIB = 1 << 30
 
@@ -187,8 +190,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     for system in systems:
         for batch in p.batch_sizes:
             r = bench_point(system, dims, batch, p, device, dtype)
-            print(f"[run] {r['system']} batch {batch}: {r['total_ms']:.2f} ms/step (select {r['select_ms']:.2f}, "
-                  f"attention {r['attention_ms']:.2f}, after_append {r['after_append_ms']:.2f})", flush=True)
+            log.info("%s batch %d: %.2f ms/step (select %.2f, attention %.2f, after_append %.2f)", r["system"],
+                     batch, r["total_ms"], r["select_ms"], r["attention_ms"], r["after_append_ms"])
             results.append(r)
     store = CellStore(out_dir / "points")     # one cell: every point of one run, so ratios come from one run
     store.open(OmegaConf.to_yaml(cell_config(cfg, systems=systems), resolve=True), env_record(cfg.seed))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -31,6 +32,8 @@ from harness.stats import parse_goodput
 from harness.stats import summarize as serving_stats
 from harness.store import CellStore, atomic_write_json
 from harness.summary import Summary, cell_envs, print_paths
+
+log = logging.getLogger("kvharness")
 
 STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")]
 CSV_KEYS = ["system", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed", "failed",
@@ -145,7 +148,7 @@ def sweep_system(cfg, cell: GridCell, p: Params, windows, model_dir: Path, out_d
     try:
         if todo:
             store.open(config, env_record(cfg.seed))
-            print(f"[start] {cell.system.name}: server for rates {todo}", flush=True)
+            log.info("%s: starting its server for rates %s", cell.system.name, todo)
             server = start_server(cell, model_dir, cfg, p, store.root)
             for w in windows[n:]:
                 asyncio.run(run_load(server.url, server.model, [Prompt(w, len(w))], [0.0], max_tokens=4,
@@ -159,8 +162,8 @@ def sweep_system(cfg, cell: GridCell, p: Params, windows, model_dir: Path, out_d
                 result["cpu"] = meter.usage.as_dict() if meter.usage else None
                 atomic_write_json(path, result)
                 s = result["summary"]
-                print(f"[rate {rate:g}] {cell.system.name}: {s['completed']}/{n} completed, mean TTFT "
-                      f"{s['mean_ttft_ms']:.1f} ms, mean TPOT {s['mean_tpot_ms']:.1f} ms", flush=True)
+                log.info("rate %g, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate, cell.system.name,
+                         s["completed"], n, s["mean_ttft_ms"], s["mean_tpot_ms"])
             rows.append({"system": cell.system.name, "request_rate": rate, "burstiness": p.burstiness,
                          "num_prompts": n, "input_len": p.input_len, "output_len": p.output_len,
                          **_with_cpu(json.loads(path.read_text()))})
