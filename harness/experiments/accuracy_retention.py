@@ -1,6 +1,6 @@
 """Accuracy retention: per-task scores of every system and their ratio to the dense reference, averaged as papers do.
 
-Two averages per system, because the seeds differ: FlexiCache reports the macro mean of per-task ratios
+Two averages per system, because the two papers differ: FlexiCache reports the macro mean of per-task ratios
 (policy ÷ dense on each task, then the mean), CAKE the ratio of the mean scores. A task whose reference score is
 below `min_reference_score` (0–100) makes its ratio meaningless (0.5 ÷ 0.2 = 2.5×); it is flagged and left out of
 the macro mean, but kept in the tables. Multi-dataset tasks (LongBench, L-Eval) count one unit per dataset.
