@@ -64,6 +64,8 @@ def start_engine_server(cell, model_dir: Path, cfg: DictConfig, p, log_dir: Path
            "--max-num-batched-tokens", str(eng.max_num_batched_tokens)]
     if eng.threads:
         cmd += ["--threads", str(eng.threads)]
+    if not eng.chunked_prefill:
+        cmd += ["--no-chunked-prefill"]
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / "server.log"
     with open(log, "wb") as sink:
@@ -91,7 +93,8 @@ def start_server(cell, model_dir: Path, cfg: DictConfig, p, log_dir: Path):
     eng = cell.system.engine       # the same capacity and cores as the engine's server gets
     return serve(model_dir, free_port(), dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
                  kv_cache_space_gb=eng.device_memory_gb, max_num_seqs=eng.max_num_seqs,
-                 extra_args=["--max-num-batched-tokens", str(eng.max_num_batched_tokens)],
+                 extra_args=["--max-num-batched-tokens", str(eng.max_num_batched_tokens),
+                             "--enable-chunked-prefill" if eng.chunked_prefill else "--no-enable-chunked-prefill"],
                  omp_threads_bind=cell.system.omp_threads_bind or cpu_list_text(allowed_cpus()),
                  served_model_name=model_dir.name, startup_timeout_s=p.startup_timeout_s,
                  log_path=log_dir / "server.log")

@@ -86,7 +86,7 @@ def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any, device: str |
     eng = EngineConfig.coerce(system_cfg.engine)
     return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
                       name=system_cfg.name, kv_cache_space_gb=eng.device_memory_gb, max_num_seqs=eng.max_num_seqs,
-                      max_num_batched_tokens=eng.max_num_batched_tokens,
+                      max_num_batched_tokens=eng.max_num_batched_tokens, enable_chunked_prefill=eng.chunked_prefill,
                       omp_threads_bind=getattr(system_cfg, "omp_threads_bind", None) or cpu_list_text(allowed_cpus()))
 
 

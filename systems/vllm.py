@@ -106,7 +106,8 @@ class VLLMSystem:
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "auto", max_model_len: int = 8192,
                  name: str = "vllm", kv_cache_space_gb: float = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = True, seed: int = 0,
-                 omp_threads_bind: str | None = None, block_size: int | None = None):
+                 omp_threads_bind: str | None = None, block_size: int | None = None,
+                 enable_chunked_prefill: bool = True):
         self.name = name
         self.model_dir = _check_model_dir(model_dir)
         self.max_model_len = max_model_len
@@ -135,7 +136,8 @@ class VLLMSystem:
             model=str(self.model_dir), dtype=self.dtype, max_model_len=max_model_len, seed=seed,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enforce_eager=enforce_eager, enable_prefix_caching=False, disable_log_stats=False,
-            block_size=block_size, kv_cache_memory_bytes=int(kv_cache_space_gb * 2**30))
+            block_size=block_size, kv_cache_memory_bytes=int(kv_cache_space_gb * 2**30),
+            enable_chunked_prefill=enable_chunked_prefill)
         self._engine = vllm.LLMEngine.from_engine_args(
             args, usage_context=UsageContext.LLM_CLASS, stat_loggers=[lambda cfg, idx: self._kv_usage])
         self._vllm = vllm

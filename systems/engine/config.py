@@ -61,5 +61,8 @@ class EngineConfig:
             value = getattr(self, key)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"system.engine.{key} must be a positive number of GB, got {value!r}")
+        if self.chunked_prefill and self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ValueError(f"system.engine.max_num_batched_tokens={self.max_num_batched_tokens} leaves no room for "
+                             f"prompt chunks beside {self.max_num_seqs} decodes; raise it above max_num_seqs")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise ValueError(f"system.engine.threads must be a positive integer or null, got {self.threads!r}")

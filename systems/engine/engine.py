@@ -84,13 +84,13 @@ class Engine:
         for seq, _, end in work.chunks:
             seq.num_computed = end
         seqs = work.decodes + [s for s, _, end in work.chunks if end == s.prefill_len]
-        stamp = time.perf_counter()
         self.steps["prefill" if work.chunks else "decode"] += 1
+        self._track_minmax()
         if not seqs:                 # only partial chunks: no token yet
             return []
         tokens = sample(logits, seqs)
         self._record_logprobs(seqs, logits, tokens)
-        self._track_minmax()
+        stamp = time.perf_counter()  # after sampling, which waits for the device: the token exists now
         finished = []
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
@@ -140,7 +140,8 @@ class Engine:
         return False
 
     def _track_minmax(self) -> None:
-        pages = sum(-(-len(s.token_ids) // self.kv.page_size) for s in self.scheduler.running)
+        pages = sum(-(-(s.num_computed if s.in_prefill else len(s.token_ids)) // self.kv.page_size)
+                    for s in self.scheduler.running)
         live = pages * self.kv.num_layers * self.kv.num_kv_heads * self.kv.minmax_bytes_per_page
         self.minmax_peak_bytes = max(self.minmax_peak_bytes, live)
 

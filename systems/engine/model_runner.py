@@ -23,6 +23,8 @@ class ModelRunner:
         # fixed matmul shapes per phase (see config.PREFILL_TILE): a row's numbers never depend on its batch
         self.prefill_tile = PREFILL_TILE if batch_invariant else None
         self.decode_tile = DECODE_TILE if batch_invariant else None
+        # policies that keep Policy's no-op after_prefill_layer need no prompt queries kept across chunks
+        self._prompt_hook = type(policy).after_prefill_layer is not Policy.after_prefill_layer
 
     def _model(self) -> LlamaModel:
         if self.model is None:
@@ -75,16 +77,22 @@ class ModelRunner:
             keys, values = torch.cat([k_prev, k]), torch.cat([v_prev, v])
             pos = torch.arange(b, device=q.device)
             mask, causal = pos.view(1, -1) <= pos[a:].view(-1, 1), False
+        group = q.shape[1] // keys.shape[1]
+        if mask is not None and q.is_cuda and group > 1:
+            # CUDA's masked SDPA kernels take no GQA broadcast (it would fall back to the math kernel)
+            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
         qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
         # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
         out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=kv.scale,
-                                             enable_gqa=True)[0].transpose(0, 1)
-        if b < seq.prefill_len:
-            seq.prompt_qk.setdefault(layer, []).append((q, k))
+                                             enable_gqa=keys.shape[1] != q.shape[1])[0].transpose(0, 1)
+        if not self._prompt_hook:
+            return out
+        if b < seq.prefill_len:      # the hook sees the whole prompt: keep this chunk's queries (keys stay stored)
+            seq.prompt_q.setdefault(layer, []).append(q.clone())
         else:
-            parts = seq.prompt_qk.pop(layer, [])
-            q_all = torch.cat([p[0] for p in parts] + [q]) if parts else q
-            k_all = torch.cat([p[1] for p in parts] + [k]) if parts else k
+            parts = seq.prompt_q.pop(layer, [])
+            q_all = torch.cat([*parts, q]) if parts else q
+            k_all = kv.prompt_kv(info.slot, layer, b)[0] if parts else k
             self.policy.after_prefill_layer(kv, info, layer, q_all, k_all)
         return out
 

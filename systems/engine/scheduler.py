@@ -60,22 +60,26 @@ class Scheduler:
             return self._schedule_chunked(now)
         batch = self._admit(now, self.max_num_batched_tokens, chunked=False)
         if batch:
-            return Step(chunks=[(s, 0, s.prefill_len) for s in batch])
+            return Step(chunks=[(s, 0, s.prefill_len) for s, _ in batch])
         return Step(decodes=self._decode_batch(list(self.running)))
 
     def _schedule_chunked(self, now: float) -> Step:
-        decodes = self._decode_batch([s for s in self.running if not s.in_prefill])
+        prefilling = [s for s in self.running if s.in_prefill]
+        # with prompt work ready, a step whose decodes all wait on a tier copy runs the chunks instead of waiting
+        other_work = bool(prefilling) or any(s.arrival_time <= now for s in self.waiting)
+        decodes = self._decode_batch([s for s in self.running if not s.in_prefill], wait=not other_work)
         budget = self.max_num_batched_tokens - len(decodes)
         chunks = []
-        for seq in [s for s in self.running if s.in_prefill]:
+        for seq in prefilling:
             if budget <= 0:
                 break
+            if seq not in self.running:                       # preempted to make room for a decode
+                continue
             end = min(seq.prefill_len, seq.num_computed + budget)
             chunks.append((seq, seq.num_computed, end))
             budget -= end - seq.num_computed
         if budget > 0:
-            for seq in self._admit(now, budget, chunked=True):
-                end = min(seq.prefill_len, budget)
+            for seq, end in self._admit(now, budget, chunked=True):
                 chunks.append((seq, 0, end))
                 budget -= end
         return Step(decodes=decodes, chunks=chunks)
@@ -83,13 +87,18 @@ class Scheduler:
     def _dense_blocks(self, tokens: int) -> int:
         return self.blocks_per_page_row * -(-tokens // self.kv.page_size)
 
-    def _admit(self, now: float, token_budget: int, chunked: bool) -> list[Sequence]:
-        batch: list[Sequence] = []
+    def pending_prefill_blocks(self) -> int:
+        """Device blocks that prompts mid-prefill will still store: reserved at admission, not yet drawn."""
+        return sum(self._dense_blocks(s.prefill_len) - self._dense_blocks(s.num_computed)
+                   for s in self.running if s.in_prefill)
+
+    def _admit(self, now: float, token_budget: int, chunked: bool) -> list[tuple[Sequence, int]]:
+        """Waiting sequences admitted this step, each with the end of its first chunk (its whole prompt when
+        unchunked)."""
+        batch: list[tuple[Sequence, int]] = []
         tokens = reserved = 0
         headroom = self.blocks_per_page_row * len(self.running)   # next decode pages of the running sequences
-        # pages that prompts mid-prefill will still store (their reservation not yet drawn from the pool)
-        headroom += sum(self._dense_blocks(s.prefill_len) - self._dense_blocks(s.num_computed)
-                        for s in self.running if s.in_prefill)
+        headroom += self.pending_prefill_blocks()
         for seq in list(self.waiting):
             if seq.arrival_time > now or len(self.running) + len(batch) >= self.max_num_seqs:
                 break
@@ -97,9 +106,12 @@ class Scheduler:
             left = token_budget - tokens
             if left <= 0 or (not chunked and batch and n > left):
                 break
-            # a prompt stored in several chunks holds all its pages until its last chunk: the dense footprint
-            split = chunked and n > left
-            need = (self._dense_blocks(n) if split else self.policy.device_blocks_needed(n, seq.remaining_tokens))
+            # a prompt stored in several chunks holds all its pages until its last chunk: the dense footprint. When
+            # that could never fit but the policy's own footprint does, the prompt is prefilled whole instead
+            need = self.policy.device_blocks_needed(n, seq.remaining_tokens)
+            split = chunked and n > left and self._dense_blocks(n) <= self.kv.device_blocks.capacity
+            if split:
+                need = self._dense_blocks(n)
             if need + reserved + headroom > self.kv.free_device_blocks():
                 if not self.running and not batch and need > self.kv.device_blocks.capacity:
                     raise RuntimeError(
@@ -113,25 +125,29 @@ class Scheduler:
             seq.num_computed = 0
             seq.decode_step = 0
             self.policy.reset(seq.slot)
-            batch.append(seq)
-            tokens += min(n, left)
+            end = min(n, left) if split else n
+            batch.append((seq, end))
+            tokens += end
             reserved += need
-        self.running.extend(batch)
+        self.running.extend(s for s, _ in batch)
         return batch
 
-    def _decode_batch(self, candidates: list[Sequence]) -> list[Sequence]:
+    def _decode_batch(self, candidates: list[Sequence], wait: bool = True) -> list[Sequence]:
         if not candidates:
             return []
         self.policy.begin_decode_step(self.kv, [s.info() for s in candidates])
         paused = self.kv.take_paused()
         batch = [s for s in candidates if s.slot not in paused]
-        if not batch:                        # everyone waits on a copy: wait for it rather than spin
-            self.kv.sync_copies()
+        if not batch:
+            if not wait:
+                return []
+            self.kv.sync_copies()            # everyone waits on a copy: wait for it rather than spin
             batch = list(candidates)
         while True:
             slots = torch.tensor([s.slot for s in batch], device=self.kv.device)
             need = self.kv.decode_blocks_needed(slots)
-            if int(need.sum()) <= self.kv.free_device_blocks():
+            # blocks that prompts mid-prefill still need are theirs: a decode that would take them preempts
+            if int(need.sum()) <= self.kv.free_device_blocks() - self.pending_prefill_blocks():
                 self.kv.allocate_decode(slots, need)
                 return batch
             victim = max(self.running, key=lambda s: s.order)     # the latest request gives way
@@ -164,4 +180,4 @@ class Scheduler:
         self.free_slots.append(seq.slot)
         seq.slot = None
         seq.num_computed = 0
-        seq.prompt_qk = {}
+        seq.prompt_q = {}

@@ -27,8 +27,8 @@ class Sequence:
         self.slot: int | None = None
         self.prefill_len = 0
         self.num_computed = 0                   # prompt tokens stored so far (chunked prefill), prefill_len when done
-        # chunked prefill: each layer's query and key rows of the chunks so far, for the hooks that see the prompt
-        self.prompt_qk: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # chunked prefill: each layer's query rows of the chunks so far, for the hooks that see the whole prompt
+        self.prompt_q: dict[int, list[torch.Tensor]] = {}
         self.decode_step = 0
         self.finish_reason = "length"
         self.text = ""
