@@ -13,7 +13,6 @@ Every study runs at every budget of `budgets` (tokens per layer, window included
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +21,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness import accuracy_cells as accuracy
-from harness import accuracy_report, plots
+from harness import accuracy_report
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
+from harness.cake_report import AblationReport, matches, retention_columns
 from harness.grid import variant, with_task_params
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError, validate
@@ -51,6 +51,7 @@ class Params(AccuracyParams):
 
 
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
+_matches = matches              # tests read it from this module
 _TAGS: dict[str, dict] = {}     # cell key -> its ablation point, filled by grid() for the summary
 
 
@@ -135,76 +136,6 @@ def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: 
     return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
-def _matches(row: dict, study: str, want: dict) -> bool:
-    """Whether a row is the point `want` of `study` (run for it, or run for another study with the same params)."""
-    if row["study"] == study:
-        return all(row[k] == v for k, v in want.items())
-    if study not in row.get("also", []):
-        return False
-    if study == "tau":
-        return [want["tau1"], want["tau2"]] in row.get("tau_alias", [])
-    return all(row[k] == v for k, v in want.items())
-
-
-class _Report:
-    """The ablation's tables and plots, from the finished cells and the points they were run for."""
-
-    def __init__(self, p: Params, data: AccuracyData, reference: str, points: list[dict], summary: Summary,
-                 out_dir: Path):
-        self.p, self.data, self.reference, self.points = p, data, reference, points
-        self.summary, self.out_dir = summary, out_dir
-
-    def find(self, budget: int, study: str, **want) -> str | None:
-        return next((pt["label"] for pt in self.points if pt["budget"] == budget and _matches(pt, study, want)), None)
-
-    def retention(self, label: str | None):
-        return self.data.macro_retention(label, self.reference) if label else unc.NAN
-
-    def heatmap(self, name: str, labs: list[list[str | None]], rows: list, cols: list, **kw) -> str:
-        return plots.heatmap(self.out_dir / name, [[self.retention(x).value for x in row] for row in labs], rows,
-                             cols, colorbar=f"retention vs {self.reference}", digits=2,
-                             notes=[[_ci_note(self.retention(x)) if x else "" for x in row] for row in labs], **kw)
-
-    def grid(self, b: int) -> None:
-        p, ref = self.p, self.reference
-        labs = [[self.find(b, "grid", allocation=a, indicator=i) for i in p.indicators] for a in p.allocations]
-        self.summary.section(f"Allocation × indicator at budget {b} (CAKE F8; T2/T3 are its row/column): "
-                             f"retention vs `{ref}`")
-        self.summary.table(["allocation \\ indicator", *p.indicators],
-                           [[a, *[self.retention(x).fmt(2) for x in row]] for a, row in zip(p.allocations, labs)])
-        self.summary.image(f"png_grid_{b}", self.heatmap(
-            f"allocation_x_indicator_b{b}.png", labs, p.allocations, p.indicators, xlabel="eviction indicator",
-            ylabel="budget allocation", title=f"CAKE ablation at {b} tokens/layer"), f"allocation x indicator b{b}")
-
-    def study(self, study: str, budgets: list[int]) -> None:
-        values = self.p.allocations if study == "allocation" else self.p.indicators
-        fixed = (f"indicator {self.p.base.indicator}" if study == "allocation"
-                 else f"allocation {self.p.base.allocation}")
-        est = {b: [self.retention(self.find(b, study, **{study: x})) for x in values] for b in budgets}
-        self.summary.section(f"{study.capitalize()} study ({fixed}; CAKE {'T2' if study == 'allocation' else 'T3'}): "
-                             f"retention vs `{self.reference}` [95 % CI] n")
-        self.summary.table([study, *[f"budget {b}" for b in budgets]],
-                           [[x, *[est[b][j].fmt(2) for b in budgets]] for j, x in enumerate(values)])
-        self.summary.image(f"png_{study}", plots.bar_plot(
-            self.out_dir / f"{study}.png", [str(x) for x in values],
-            {f"budget {b}": [e.value for e in est[b]] for b in budgets},
-            errors={f"budget {b}": [(e.low, e.high) for e in est[b]] for b in budgets},
-            notes={f"budget {b}": [f"n={e.n}" if e.n else "" for e in est[b]] for b in budgets},
-            xlabel=study, ylabel=f"retention vs {self.reference} (95 % CI)", reference=1.0,
-            reference_label=f"{self.reference} (= 1)", title=f"CAKE {study} ablation ({fixed})"), study)
-
-    def taus(self, b: int) -> None:
-        p = self.p
-        labs = [[self.find(b, "tau", tau1=float(t1), tau2=float(t2)) for t2 in p.tau2s] for t1 in p.tau1s]
-        self.summary.section(f"tau1 × tau2 at budget {b} (CAKE F13; {p.base.allocation} + {p.base.indicator}): "
-                             f"retention vs `{self.reference}`")
-        self.summary.table(["tau1 \\ tau2", *[f"{t:g}" for t in p.tau2s]],
-                           [[f"{t1:g}", *[self.retention(x).fmt(2) for x in row]] for t1, row in zip(p.tau1s, labs)])
-        self.summary.image(f"png_tau_{b}", self.heatmap(
-            f"tau_sweep_b{b}.png", labs, p.tau1s, p.tau2s, xlabel="tau2 (variance exponent 1/τ2)",
-            ylabel="tau1 (entropy exponent 1/τ1)", title=f"CAKE tau sweep at {b} tokens/layer"), f"tau sweep b{b}")
-
-
 def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
     reference = accuracy.reference_of(p, labels) or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
@@ -218,7 +149,7 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
                    + data.ranking(reference, [pt["label"] for pt in points])
                    + " (`>` only where the paired 95 % interval of the difference excludes 0).")
     summary.reasons(p.size_reason, p.budget_reason)
-    report = _Report(p, data, reference, points, summary, out_dir)
+    report = AblationReport(p, data, reference, points, summary, out_dir)
     if p.full_grid:
         for b in budgets:
             report.grid(b)
@@ -231,16 +162,8 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
     accuracy_report.standard_sections(summary, data, reference, out_dir, plot_name="retention_all.png")
     summary.text("Budgets are CAKE's cache_size: average tokens per layer and KV head, window included.")
     summary.csv([{**{k: pt.get(k) for k in ("study", "budget", "allocation", "indicator", "tau1", "tau2")},
-                  "system": pt["label"], "task": "POINT", **_as_csv(report.retention(pt["label"]))}
+                  "system": pt["label"], "task": "POINT", **retention_columns(report.retention(pt["label"]))}
                  for pt in points])
     summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
-
-
-def _ci_note(e) -> str:
-    return f"[{e.low:.2f}, {e.high:.2f}]" if math.isfinite(e.low) and math.isfinite(e.high) else ""
-
-
-def _as_csv(e) -> dict:
-    return {"retention": e.value, "retention_ci_low": e.low, "retention_ci_high": e.high, "n": e.n}

@@ -27,10 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from harness import params as params_lib
+from harness.duo_gates import NATO as NATO  # the `x as x` imports are re-exports: tests read them from this module
+from harness.duo_gates import build_pool, train_gates
+from harness.duo_gates import lr_factor as lr_factor
+from harness.duo_gates import sample_ids as sample_ids
+from harness.duo_gates import streaming_mask as streaming_mask
 from harness.envinfo import env_record
 from harness.params import GridParams
 from harness.runner import GridCell, UserError, dump_yaml
@@ -39,12 +43,7 @@ from harness.summary import Summary, print_paths
 from systems.policy_support import profiles
 from tasks import ruler_data
 
-NATO = ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa quebec "
-        "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
-ORDINALS = ["first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth", "ninth", "tenth"]
-NEEDLE = "Remeber this sequence of words, it's the {ordinal} passkey to the vault: "
-QUESTION = "Based on the content of the book, what is the {ordinal} passkey to the vault?\nPasskey: "
-PROMPT1, PROMPT2 = "<|im_start|> This is a very long story book: <book> ", " </book>.\n\n"
+
 @dataclass
 class Params(GridParams):
     steps: int = 150
@@ -67,66 +66,6 @@ class Params(GridParams):
 TRAINING = ("steps", "lr", "reg_weight", "sink_tokens", "recent_tokens", "context_min", "context_max", "lengths",
             "pool", "passkeys", "passkey_words", "seed")
 DEFAULTS = {k: getattr(Params(), k) for k in TRAINING}
-
-
-def sample_ids(tokenizer, haystack: list[int], length: int, p: dict, rng: random.Random) -> tuple[list[int], slice]:
-    """One multi-passkey sample: token ids and the slice of the QA block (the loss span)."""
-    keys = [" ".join(rng.choice(NATO) for _ in range(p["passkey_words"])) for _ in range(p["passkeys"])]
-    depths = sorted(rng.sample([0.05 + 0.9 * i / 999 for i in range(1000)], p["passkeys"]))
-    context = haystack[:length]
-    for k in reversed(range(p["passkeys"])):          # deepest first: the shallower offsets stay valid
-        at = int(length * depths[k])                  # a position in the haystack itself
-        needle = tokenizer.encode("\n\n" + NEEDLE.format(ordinal=ORDINALS[k]) + keys[k] + "\n\n",
-                                  add_special_tokens=False)
-        context = context[:at] + needle + context[at:]
-    head = tokenizer.encode(PROMPT1, add_special_tokens=True) + context
-    head += tokenizer.encode(PROMPT2, add_special_tokens=False)
-    qa = tokenizer.encode("".join(QUESTION.format(ordinal=ORDINALS[k]) + keys[k] + "\n\n"
-                                  for k in range(p["passkeys"])), add_special_tokens=False)
-    return head + qa, slice(len(head), len(head) + len(qa))
-
-
-def streaming_mask(n: int, sink: int, recent: int) -> torch.Tensor:
-    """Token-exact streaming attention (DuoAttention's sdpa path): key j visible to query i iff j <= i and
-    (j < sink or i - j < recent)."""
-    i = torch.arange(n).view(-1, 1)
-    j = torch.arange(n).view(1, -1)
-    return (j <= i) & ((j < sink) | (i - j < recent))
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
-    """q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D]; causal when mask is None (GQA stays grouped)."""
-    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=True)
-    return out[0].transpose(0, 1)
-
-
-def teacher(model, ids: torch.Tensor, scale: float) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The full-attention outputs of every layer (pre-o_proj) and the final hidden states."""
-    outs: list[torch.Tensor] = []
-
-    def attend(layer, q, k, v):
-        o = attention(q, k, v, scale, None)
-        outs.append(o.detach())
-        return o
-    with torch.no_grad():
-        hidden = model.forward(ids, torch.arange(len(ids)), attend)
-    return outs, hidden.detach()
-
-
-def student(model, ids: torch.Tensor, gates: torch.Tensor, full: list[torch.Tensor], mask: torch.Tensor,
-            scale: float, group: int) -> torch.Tensor:
-    def attend(layer, q, k, v):
-        stream = attention(q, k, v, scale, mask)
-        alpha = gates[layer].clamp(0, 1).repeat_interleave(group).view(1, -1, 1)       # a KV head's gate, per group
-        return (1 - alpha) * stream + alpha * full[layer]
-    return model.forward(ids, torch.arange(len(ids)), attend)
-
-
-def lr_factor(step: int, total: int) -> float:
-    ramp = max(1, total // 5)
-    return min(1.0, max((step + 1) / ramp, 0.1), max((total - step) / ramp, 0.1))
 
 
 def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
@@ -154,39 +93,11 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     haystack = tokenizer.encode(" ".join(ruler_data.essay_words()), add_special_tokens=False)
     lengths = [int(p["context_min"] + i * (p["context_max"] - p["context_min"]) / max(1, p["lengths"] - 1))
                for i in range(p["lengths"])]
-    scale = spec.head_dim ** -0.5
-    group = spec.num_q_heads // spec.num_kv_heads
     started = time.perf_counter()
-    pool = []
-    for i in range(p["pool"]):
-        ids, span = sample_ids(tokenizer, haystack, lengths[i % len(lengths)], p, rng)
-        x = torch.tensor(ids)
-        full, final = teacher(model, x, scale)
-        pool.append((x, span, full, final[span], streaming_mask(len(ids), p["sink_tokens"], p["recent_tokens"])))
+    pool = build_pool(model, tokenizer, haystack, lengths, p, rng)
     teacher_s = time.perf_counter() - started
-    gates = torch.nn.Parameter(torch.ones(spec.num_layers, spec.num_kv_heads))
-    optimizer = torch.optim.AdamW([gates], lr=p["lr"], weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, p["steps"]))
-    history, order = [], []
-    for step in range(p["steps"]):
-        if not order:
-            order = list(range(len(pool)))
-            rng.shuffle(order)
-        x, span, full, target, mask = pool[order.pop()]
-        with torch.no_grad():
-            gates.clamp_(0, 1)
-        hidden = student(model, x, gates, full, mask, scale, group)[span]
-        distill = (hidden - target).pow(2).mean(-1).mean()
-        loss = distill + p["reg_weight"] * gates.clamp(0, 1).abs().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        history.append({"step": step, "distill": float(distill.detach()),
-                        "mean_gate": float(gates.detach().clamp(0, 1).mean())})
-    with torch.no_grad():
-        gates.clamp_(0, 1)
-    metrics = {"gates": gates.detach().tolist(), "history": history, "teacher_seconds": teacher_s,
+    gates, history = train_gates(model, pool, p, rng)
+    metrics = {"gates": gates.tolist(), "history": history, "teacher_seconds": teacher_s,
                "train_seconds": time.perf_counter() - started - teacher_s, "lengths": lengths,
                "sample_tokens": [len(x) for x, *_ in pool]}
     store.write_metrics(metrics)
