@@ -141,7 +141,9 @@ def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> dict[s
             per_layer[layer] = per_layer.get(layer, 0) + 1
         summary.section(f"{m['task']}: unstable heads per layer").text(
             ", ".join(f"L{layer}: {n}" for layer, n in sorted(per_layer.items())))
-    summary.csv([{"task": m["task"], **hs} for m in results for hs in m["flexicache"]["head_stats"]])
+    head_columns = ("layer", "head", "ts_mean", "ts_std", "ts_min", "bottom_frequency", "unstable")
+    summary.csv([{"task": m["task"], **{k: hs[k] for k in head_columns}}
+                 for m in results for hs in m["flexicache"]["head_stats"]])
     panels = []
     for m in results:
         if not m.get("rco_by_offset"):
