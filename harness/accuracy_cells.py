@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import accuracy_report, fidelity
@@ -29,8 +28,7 @@ from harness.runner import GridCell, UserError, dump_yaml
 from harness.store import CellStore
 from harness.summary import print_paths
 from systems.base import GenerationRequest
-from systems.hardware import resolve_dtype
-from systems.registry import build_system, check_capacity
+from systems.registry import build_system
 from tasks.base import load_task
 
 # merged into every engine system of an accuracy experiment before its cell keys are made (overridable)
@@ -61,6 +59,10 @@ class Workspace:
             self._prepared[key] = (task, samples, prompts)
         return self._prepared[key]
 
+    def check_fits(self, system_cfg: DictConfig, prompt_len: int, new_tokens: int) -> None:
+        """Fail before any weights load when the system's device pool cannot hold one request of this size."""
+        cells_on_disk.check_fits(self.cfg, self.model_dir, system_cfg, prompt_len, new_tokens)
+
     def system(self, system_cfg: DictConfig):
         key = OmegaConf.to_yaml(system_cfg)
         if key != self._system_key:
@@ -79,8 +81,7 @@ def prepare_cell(cfg: DictConfig, cell: GridCell, ws: Workspace):
     task, samples, prompts = ws.task(cfg, cell.task)
     if prompts:
         longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
-        check_capacity(cell.system, ws.model_dir, 2 if resolve_dtype(cfg.model.dtype) != torch.float32 else 4,
-                       len(prompts[longest]), samples[longest].max_new_tokens, cfg.model.max_model_len)
+        ws.check_fits(cell.system, len(prompts[longest]), samples[longest].max_new_tokens)
     return task, samples, prompts
 
 

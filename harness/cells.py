@@ -1,9 +1,10 @@
 """Cells on disk: run one store-backed cell (skip, resume, retire stale), and find an experiment's finished cells.
 
-Every experiment kind runs its cells through `run_cell` (accuracy kinds through harness.experiments.accuracy,
-which adds per-sample resume on top of the same store) and builds its summary from `finished`: the complete cells
-of its results folder made with the same experiment block. So a summary is always rebuilt from disk — after a
-run, after a multirun job (whichever job ends last sees every finished cell), or by `python -m harness.report`.
+Every experiment kind runs its cells through `run_cell`, except the two whose cells resume part-way on the same
+store: accuracy cells per sample (harness.accuracy_cells) and online-sweep cells per request rate
+(harness.online_cells). Each builds its summary from the complete cells of its results folder, so a summary is
+always rebuilt from disk — after a run, after a multirun job (whichever job ends last sees every finished cell),
+or by `python -m harness.report`.
 """
 from __future__ import annotations
 
@@ -90,6 +91,16 @@ def run_cell(cfg: DictConfig, key: str, config: DictConfig, out_dir: Path, work:
     progress.end_cell()
     store.write_metrics(metrics)
     return metrics
+
+
+def check_fits(cfg: DictConfig, model_dir: Path, system_cfg: DictConfig, prompt_len: int, new_tokens: int) -> None:
+    """Fail before any weights load when an engine system's device pool cannot hold one request of this size
+    (every policy answers from the model's dimensions alone)."""
+    from systems.hardware import dtype_bytes
+    from systems.registry import check_capacity
+
+    check_capacity(system_cfg, model_dir, dtype_bytes(cfg.model.dtype), prompt_len, new_tokens,
+                   cfg.model.max_model_len)
 
 
 def cell_config(cfg: DictConfig, **parts: Any) -> DictConfig:

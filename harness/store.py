@@ -6,9 +6,10 @@ line; opening the cell cuts it off, so a rerun resumes at the first missing samp
 duplicated rows. metrics.json (written by temp file + rename) marks the cell complete.
 
 A cell is resumed (or reused when complete) only by the code that made it, on the same arithmetic: when env.json
-names another code hash (of the source and config files), package set or matrix ISA, or config.yaml another model,
-system, task or seed, the folder is moved aside to `<cell-key>.stale-<sha>` and the cell runs again, so a summary
-never mixes code versions or machine classes under one provenance line.
+names another code hash (of the source and config files), package set or matrix ISA, or config.yaml differs
+outside its experiment block (model, system, task, seed, lengths, ...), the folder is moved aside to
+`<cell-key>.stale-<sha>` and the cell runs again, so a summary never mixes code versions or machine classes under
+one provenance line.
 """
 from __future__ import annotations
 

@@ -92,6 +92,11 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
     return torch.bfloat16 if cpu_matrix_isa() in ("amx-bf16", "avx512-bf16") else torch.float32
 
 
+def dtype_bytes(dtype: str, device: str | torch.device = "cpu") -> int:
+    """Bytes per element of the dtype a name resolves to on this machine."""
+    return torch.empty((), dtype=resolve_dtype(dtype, device)).element_size()
+
+
 def dtype_name(dtype: str, device: str | torch.device = "cpu") -> str:
     """The concrete dtype name 'auto' (or an alias) resolves to on this machine, e.g. 'bfloat16'."""
     return str(resolve_dtype(dtype, device)).removeprefix("torch.")

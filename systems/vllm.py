@@ -58,9 +58,8 @@ def _dtype_name(dtype: str) -> str:
     """'auto' as every system here reads it (bf16 where the hardware is fast at it), not vLLM's checkpoint dtype."""
     import torch
 
-    from systems.hardware import resolve_dtype
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return str(resolve_dtype(dtype, device)).removeprefix("torch.")
+    from systems.hardware import dtype_name
+    return dtype_name(dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _require_vllm():

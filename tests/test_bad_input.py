@@ -215,3 +215,22 @@ def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llam
     with pytest.raises(UserError, match="results_dir=.* is not writable") as info:
         run(cfg)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("exp", ["offline_throughput", "memory", "loaded_host", "online_sweep"])
+def test_speed_experiments_refuse_a_too_small_pool_before_loading(exp, tmp_path, tiny_llama_dir, monkeypatch):
+    import harness.accuracy_cells
+    import harness.online_cells
+    from harness.runner import UserError, run
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("a system was started before the capacity check")
+    monkeypatch.setattr(harness.accuracy_cells, "build_system", must_not_load)
+    monkeypatch.setattr(harness.online_cells, "start_server", must_not_load)
+    cfg = _compose([f"+exp={exp}", "exp.systems=[dense]", f"model.path={tiny_llama_dir}", "model.dtype=float32",
+                    f"results_dir={tmp_path / 'results'}",
+                    "++exp.params.system_overrides={engine:{device_memory_gb:0.00001}}"])
+    with pytest.raises(UserError, match=r"set engine.device_memory_gb >= [0-9.]+") as info:
+        run(cfg)
+    assert "\n" not in str(info.value)
+    assert not any(p.is_dir() for p in (tmp_path / "results").glob("*/*"))      # no cell folder was made

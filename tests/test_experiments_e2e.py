@@ -111,7 +111,7 @@ def test_decode_microbench_end_to_end(tiny_llama_dir, tmp_path):
     assert float(by[("engine-quest-kvhead", "2")]["pages_read_per_head_step"]) == 4.0   # budget 64 = 4 pages
     # per query head: each KV head reads the union of its query heads' 4 pages
     assert 4.0 < float(by[("engine-quest", "2")]["pages_read_per_head_step"]) <= 4.0 * 2   # group of 2
-    assert "stability-aware is" in md
+    assert "engine-flexicache-naive ÷ engine-flexicache = " in md and "engine-quest ÷ engine-quest-kvhead = " in md
 
 
 def test_ruler_end_to_end(tiny_llama_dir, tmp_path):

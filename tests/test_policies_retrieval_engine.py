@@ -247,7 +247,7 @@ def test_lserve_streaming_heads_keep_sink_and_window_and_retrieval_heads_read_k_
 def test_bad_params_fail_in_one_line(tiny_dir):
     with pytest.raises(ValueError, match="engine.page_size"):          # the page size is the engine's alone
         _engine(tiny_dir, load_policy("quest", dict(budget=3 * P + 1)))
-    with pytest.raises(ValueError, match="unknown params"):
+    with pytest.raises(ValueError, match="unknown parameter"):
         load_policy("quest", dict(page_size=16))
     with pytest.raises(ValueError, match="multiple of physical_page"):
         load_policy("lserve", dict(budget=100))

@@ -10,8 +10,8 @@ phase; the append is the same for every system and left out of the total.
 Synthetic inputs, on purpose: keys and values are N(0, 1); each sequence's decode queries are a fixed direction plus
 small noise (`query_noise`), so consecutive top-K sets overlap as they do for stable heads. A policy that needs a
 profile of the model runs with the parameters it names for a profile-free run (Policy.profile_free_params: only
-how many heads play each role matters for latency). Every run re-measures every point, so the ratios in summary.md
-come from one run.
+how many heads play each role matters for latency). Every point lives in one cell, so the ratios in summary.md come
+from one run; a finished cell made by the same code and config is reused (delete `points/` to time again).
 """
 from __future__ import annotations
 
@@ -29,13 +29,12 @@ from omegaconf import DictConfig, OmegaConf
 from harness import params as params_lib
 from harness import plots
 from harness.assets import model_dir as resolve_model_dir
-from harness.cells import cell_config, stored_metrics
-from harness.envinfo import env_record
+from harness.cells import cell_config, run_cell, stored_metrics
 from harness.microbench import bench_point
 from harness.params import GridParams
+from harness.progress import RunProgress
 from harness.runner import GridCell, UserError, apply_budget, load_group
 from harness.schema import SystemConfig
-from harness.store import CellStore
 from harness.summary import Summary, cell_envs, print_paths
 from systems.hardware import resolve_dtype
 from systems.registry import SystemConfigError, check_system, policy_class
@@ -55,7 +54,8 @@ class Params(GridParams):
     query_noise: float = 0.1
     device: str = "auto"
     seed: int = 0
-    reference: Optional[str] = None
+    reference: Optional[str] = None     # ratios are to this system; None = the first with the dense policy
+    pairs: list[list[str]] = field(default_factory=list)   # [a, b] system pairs: the glance line states time a ÷ b
     num_q_heads: Optional[int] = None   # attention shape; all three set: no model folder is read
     num_kv_heads: Optional[int] = None
     head_dim: Optional[int] = None
@@ -94,6 +94,9 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     p = params_lib.parse(cfg, Params)
     if p.steps < 1 or p.context < 16 or not p.batch_sizes or min(p.batch_sizes) < 1:
         raise UserError("exp.params needs steps >= 1, context >= 16 and positive batch_sizes")
+    if any(len(pair) != 2 for pair in p.pairs):
+        raise UserError("exp.params.pairs lists [a, b] system-name pairs (time a ÷ b), "
+                        "e.g. [[engine-quest, engine-dense]]")
     dims = model_dims(cfg, p)
     try:
         systems = bench_systems(cells, p, p.layer + p.layers, dims["num_kv_heads"])
@@ -101,18 +104,27 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
         raise UserError(str(exc)) from None
     device = torch.device(p.device if p.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(cfg.model.dtype, device)
-    results = []
-    for system in systems:
-        for batch in p.batch_sizes:
-            r = bench_point(system, dims, batch, p, device, dtype)
-            log.info("%s batch %d: %.2f ms/step (select %.2f, attention %.2f, after_append %.2f)", r["system"],
-                     batch, r["total_ms"], r["select_ms"], r["attention_ms"], r["after_append_ms"])
-            results.append(r)
-    store = CellStore(out_dir / "points")     # one cell: every point of one run, so ratios come from one run
-    store.open(OmegaConf.to_yaml(cell_config(cfg, systems=systems), resolve=True), env_record(cfg.seed))
-    store.write_metrics({"points": results})
+
+    def work(store) -> dict:
+        results = []
+        for system in systems:
+            for batch in p.batch_sizes:
+                r = bench_point(system, dims, batch, p, device, dtype)
+                log.info("%s batch %d: %.2f ms/step (select %.2f, attention %.2f, after_append %.2f)", r["system"],
+                         batch, r["total_ms"], r["select_ms"], r["attention_ms"], r["after_append_ms"])
+                results.append(r)
+        return {"points": results}
+
+    # one cell holds every point of one run, so the ratios always come from one run
+    points = len(systems) * len(p.batch_sizes)
+    progress = RunProgress(1, points, enabled=cfg.progress)
+    try:
+        metrics = run_cell(cfg, "points", cell_config(cfg, systems=systems), out_dir, work, progress,
+                           f"decode microbenchmark ({points} points)", points)
+    finally:
+        progress.close()
     summarize(cfg, cells, out_dir)
-    return results
+    return metrics["points"]
 
 
 def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
@@ -133,15 +145,13 @@ def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir
     at = {(r["system"], r["batch"]): r for r in results}
     batches = sorted({r["batch"] for r in results})
     ref = p.reference or next((s for s in systems if at[(s, batches[0])]["policy"] == "dense"), systems[0])
-    naive = next((s for s in systems if "naive" in s), None)
-    aware = next((s for s in systems if at[(s, batches[0])]["policy"] == "flexicache" and s != naive), None)
     big = batches[-1]
     glance = f"per-layer decode attention at {p.context} tokens, batch {big}: " + ", ".join(
         f"{ref} ÷ {s} = {_ratio(at[(ref, big)]['total_ms'], at[(s, big)]['total_ms']):.2f}×"
         for s in systems if s != ref)
-    if naive and aware:
-        glance += f"; stability-aware is {_ratio(at[(naive, big)]['total_ms'], at[(aware, big)]['total_ms']):.2f}× " \
-                  "faster than naive"
+    for a, b in p.pairs:
+        if (a, big) in at and (b, big) in at:
+            glance += f"; {a} ÷ {b} = {_ratio(at[(a, big)]['total_ms'], at[(b, big)]['total_ms']):.2f}×"
     summary = Summary(cfg, envs=envs)
     summary.glance(glance + " (one run, ratios > 1 = faster than the reference).")
     summary.table(["system", "granularity", "batch", "select ms", "attention ms", "after_append ms", "total ms",

@@ -27,18 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness import params as params_lib
+from harness.cells import cell_config, run_cell
 from harness.duo_gates import NATO as NATO  # the `x as x` imports are re-exports: tests read them from this module
 from harness.duo_gates import build_pool, train_gates
 from harness.duo_gates import lr_factor as lr_factor
 from harness.duo_gates import sample_ids as sample_ids
 from harness.duo_gates import streaming_mask as streaming_mask
-from harness.envinfo import env_record
 from harness.params import GridParams
-from harness.runner import GridCell, UserError, dump_yaml
-from harness.store import CellStore
+from harness.progress import RunProgress
+from harness.runner import GridCell, UserError
 from harness.summary import Summary, print_paths
 from systems.policy_support import profiles
 from tasks import ruler_data
@@ -83,24 +83,27 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = LlamaModel(model_dir, torch.float32, torch.device("cpu"))
     spec = model.spec
-    store = CellStore(out_dir / f"duo_gates__{cfg.model.name}__steps{p['steps']}")
-    config = OmegaConf.create({"model": cfg.model, "exp": cfg.exp, "seed": cfg.seed,
-                               "gates": {k: p[k] for k in TRAINING}})
-    if store.is_complete(dump_yaml(config)):
-        return _finish(cfg, store.metrics(), p, out_dir, spec)
-    store.open(dump_yaml(config), env_record(cfg.seed))
-    rng = random.Random(p["seed"])
-    haystack = tokenizer.encode(" ".join(ruler_data.essay_words()), add_special_tokens=False)
-    lengths = [int(p["context_min"] + i * (p["context_max"] - p["context_min"]) / max(1, p["lengths"] - 1))
-               for i in range(p["lengths"])]
-    started = time.perf_counter()
-    pool = build_pool(model, tokenizer, haystack, lengths, p, rng)
-    teacher_s = time.perf_counter() - started
-    gates, history = train_gates(model, pool, p, rng)
-    metrics = {"gates": gates.tolist(), "history": history, "teacher_seconds": teacher_s,
-               "train_seconds": time.perf_counter() - started - teacher_s, "lengths": lengths,
-               "sample_tokens": [len(x) for x, *_ in pool]}
-    store.write_metrics(metrics)
+
+    def work(store) -> dict:
+        rng = random.Random(p["seed"])
+        haystack = tokenizer.encode(" ".join(ruler_data.essay_words()), add_special_tokens=False)
+        lengths = [int(p["context_min"] + i * (p["context_max"] - p["context_min"]) / max(1, p["lengths"] - 1))
+                   for i in range(p["lengths"])]
+        started = time.perf_counter()
+        pool = build_pool(model, tokenizer, haystack, lengths, p, rng)
+        teacher_s = time.perf_counter() - started
+        gates, history = train_gates(model, pool, p, rng)
+        return {"gates": gates.tolist(), "history": history, "teacher_seconds": teacher_s,
+                "train_seconds": time.perf_counter() - started - teacher_s, "lengths": lengths,
+                "sample_tokens": [len(x) for x, *_ in pool]}
+
+    config = cell_config(cfg, gates={k: p[k] for k in TRAINING})
+    progress = RunProgress(1, p["steps"], enabled=cfg.progress)
+    try:
+        metrics = run_cell(cfg, f"duo_gates__{cfg.model.name}__steps{p['steps']}", config, out_dir, work, progress,
+                           f"gate training ({p['steps']} steps)", p["steps"])
+    finally:
+        progress.close()
     return _finish(cfg, metrics, p, out_dir, spec)
 
 

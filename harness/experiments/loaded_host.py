@@ -70,6 +70,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     p = params_lib.parse(cfg, Params)
     todo = points(cells, p)
     ws = Workspace(cfg)
+    for system, *_ in todo:
+        ws.check_fits(system, p.input_len, p.output_len)
     progress = RunProgress(len(todo), len(todo) * p.num_requests, enabled=cfg.progress)
     results = []
     try:

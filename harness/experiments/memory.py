@@ -87,6 +87,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
         raise UserError(f"the longest request ({max(p.lengths)} + {p.output_len} tokens) exceeds "
                         f"model.max_model_len={cfg.model.max_model_len}; shorten exp.params.lengths")
     ws, todo, results = Workspace(cfg), jobs(cells, p), []
+    for cell, n, _ in todo:
+        ws.check_fits(cell.system, n, p.output_len)
     progress = RunProgress(len(todo), len(todo), enabled=cfg.progress)
     try:
         # one essay window, tokenized once, cut to each length: every system sees the same prompts

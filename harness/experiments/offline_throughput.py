@@ -83,6 +83,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     p = params_lib.parse(cfg, Params)
     ws = Workspace(cfg)
     todo, results = jobs(cfg, cells, p), []
+    for cell, out_len, _ in todo:
+        ws.check_fits(cell.system, p.input_len, out_len)
     progress = RunProgress(len(todo), len(todo) * p.num_requests, enabled=cfg.progress)
     try:
         for cell, out_len, key in todo:

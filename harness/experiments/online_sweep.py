@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from harness import params as params_lib
 from harness import plots, report
 from harness.assets import model_dir as resolve_model_dir
-from harness.cells import stored_metrics
+from harness.cells import check_fits, stored_metrics
 from harness.loadgen import PROCESSES, arrival_times
 from harness.online_cells import essay_windows, key_of, sweep_system
 from harness.params import GridParams
@@ -97,6 +97,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     model_dir = Path(resolve_model_dir(cfg.model.path)).resolve()
+    for cell in systems_of(cells):
+        check_fits(cfg, model_dir, cell.system, p.input_len, p.output_len)
     windows = essay_windows(AutoTokenizer.from_pretrained(model_dir), p.num_prompts + p.warmups, p.input_len, cfg.seed)
     rows = [r for cell in systems_of(cells) for r in sweep_system(cfg, cell, p, windows, model_dir, out_dir)]
     summarize(cfg, cells, out_dir)

@@ -79,6 +79,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     plans = accuracy.fidelity_plans(cfg, cells, labels, REFERENCE, out_dir)
     ws = accuracy.Workspace(cfg)
     try:
+        for s, _ in tcells:
+            ws.check_fits(s, p.throughput.input_len, p.throughput.output_len)
         results, pending = accuracy.plan_cells(cfg, cells, out_dir, ws)
         tp_left = sum(p.throughput.num_requests for _, k in tcells if not CellStore(out_dir / k).is_complete())
         progress = RunProgress(len(cells) + len(tcells), sum(x[3] for x in pending) + tp_left, enabled=cfg.progress)

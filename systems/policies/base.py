@@ -208,8 +208,11 @@ class Policy:
         valid = [f.name for f in dataclasses.fields(cls) if f.init]
         unknown = sorted(set(params) - set(valid))
         if unknown:
-            raise ValueError(f"policy '{cls.name}': unknown params {unknown}; valid keys: {valid or 'none'}")
-        return cls(**params)
+            raise ValueError(f"policy {cls.name!r}: unknown parameter(s) {unknown}; valid: {valid or 'none'}")
+        try:
+            return cls(**params)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"policy {cls.name!r}: {exc}") from None
 
     def configure(self, dims: KVDims) -> None:
         """Learn the model's shape and the page size, and derive everything that needs no storage (head roles from
