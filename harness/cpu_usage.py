@@ -28,12 +28,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and every descendant process alive now."""
+def process_tree(root: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """`root` and every descendant process alive now, less the subtrees rooted at `exclude`."""
     seen, todo = [], [root]
     while todo:
         pid = todo.pop()
-        if pid not in seen:
+        if pid not in seen and pid not in exclude:
             seen.append(pid)
             todo += _children(pid)
     return seen
@@ -91,16 +91,18 @@ class CpuUsage:
 
 
 class CpuMeter:
-    """`with CpuMeter(pid) as m: ...` then `m.usage`: what the tree rooted at `pid` (default: this process) used."""
+    """`with CpuMeter(pid) as m: ...` then `m.usage`: what the tree rooted at `pid` (default: this process) used,
+    leaving out the subtrees of `exclude` (e.g. background load the harness itself started)."""
 
-    def __init__(self, root: int | None = None):
+    def __init__(self, root: int | None = None, exclude: frozenset[int] = frozenset()):
         self.root = root if root is not None else os.getpid()
+        self.exclude = frozenset(exclude)
         self.usage: CpuUsage | None = None
 
     def _snapshot(self) -> tuple[dict[tuple[int, int], int], set[int], int]:
         ticks: dict[tuple[int, int], int] = {}
         allowed: set[int] = set()
-        tree = process_tree(self.root)
+        tree = process_tree(self.root, self.exclude)
         for pid in tree:
             ticks.update(_thread_ticks(pid))
             allowed |= _allowed(pid)

@@ -119,6 +119,25 @@ def test_last_query_and_decode_attention_brute_force(qk):
             assert bool((got[b, h, n:] == 0).all())
 
 
+def test_decode_attention_does_not_depend_on_the_batch():
+    """Eviction decisions compare these probabilities, so a sequence's row must be bit-identical alone and beside
+    longer sequences (batch-invariant decoding)."""
+    g = torch.Generator().manual_seed(3)
+    hkv, group, d = 3, 3, 64
+    lengths = [37, 301, 129]
+    keys = [torch.randn(hkv, n, d, generator=g) for n in lengths]
+    qs = torch.randn(len(lengths), hkv * group, d, generator=g)
+    width = max(lengths)
+    kb = torch.zeros(len(lengths), hkv, width, d)
+    for i, kk in enumerate(keys):
+        kb[i, :, :kk.shape[1]] = kk
+    counts = torch.tensor([[n] * hkv for n in lengths])
+    together = ind.decode_attention(qs, kb, counts, SCALE)
+    for i, n in enumerate(lengths):
+        alone = ind.decode_attention(qs[i:i + 1], keys[i].unsqueeze(0), counts[i:i + 1], SCALE)
+        assert torch.equal(together[i, :, :n], alone[0]) and bool((together[i, :, n:] == 0).all())
+
+
 def test_top_keep_and_pool_lengths():
     scores = torch.tensor([[0.1, 0.9, 0.5, 0.3], [0.8, 0.0, 0.2, 0.7]])
     keep = ind.top_keep(scores, 2, 3, 7)

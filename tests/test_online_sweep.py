@@ -97,3 +97,18 @@ def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_pat
     # A rerun finds every rate on disk and starts no server.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "starting its server" not in again.stdout + again.stderr
+
+
+def test_focus_line_states_the_tpot_ratio_at_the_highest_sustained_rate_or_says_none_is():
+    from harness.experiments.online_sweep import focus_line
+
+    def row(system, rate, tpot, throughput):
+        return {"system": system, "request_rate": rate, "mean_tpot_ms": tpot, "completed": 16, "num_prompts": 16,
+                "request_throughput": throughput}
+    rows = [row("dense", 0.1, 150.0, 0.1), row("dense", 0.2, 300.0, 0.12), row("flexi", 0.1, 100.0, 0.1),
+            row("flexi", 0.2, 120.0, 0.2), row("vllm", 0.1, 75.0, 0.1), row("vllm", 0.2, 90.0, 0.2)]
+    line = focus_line(rows, "flexi", ["dense", "vllm"])
+    assert line.startswith("at 0.1 req/s, the highest rate `dense` sustains") and "1.50× lower than `dense`'s" in line
+    assert "0.75× lower than `vllm`'s" in line
+    none = focus_line([{**r, "request_throughput": 0.05} for r in rows], "flexi", ["dense", "vllm"])
+    assert "`dense` sustains none of the rates" in none and "at the lowest, 0.1 req/s" in none and "1.50×" in none

@@ -85,7 +85,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
                 for b in burners:
                     b.start()
                 try:
-                    return {"system": system.name, "threads": threads, "background": bg, **measure(sut, reqs)}
+                    return {"system": system.name, "threads": threads, "background": bg,
+                            **measure(sut, reqs, exclude=frozenset(b.pid for b in burners if b.pid))}
                 finally:
                     for b in burners:
                         b.kill()

@@ -49,9 +49,11 @@ def build_requests(tokenizer, num: int, input_len: int, output_len: int, seed: i
                               max_new_tokens=output_len, ignore_eos=True, seed=seed) for i in range(num)]
 
 
-def measure(system, requests: list[GenerationRequest]) -> dict[str, Any]:
+def measure(system, requests: list[GenerationRequest], exclude: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Time one generate() call; the CPU columns count this process and its children (vLLM's engine core) except
+    the process subtrees in `exclude`."""
     system.reset_stats()
-    with CpuMeter() as meter:                # this process and its children (vLLM's engine core)
+    with CpuMeter(exclude=exclude) as meter:
         t0 = time.perf_counter()
         completions = system.generate(requests)
         wall = time.perf_counter() - t0

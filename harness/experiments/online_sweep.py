@@ -121,16 +121,23 @@ def sustains(r: dict) -> bool:
 def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
     """`focus`'s mean TPOT ratio to each system of `versus`, at the highest rate versus[0] sustains."""
     base = [r for r in rows if r["system"] == versus[0] and sustains(r)]
-    if not base:
-        return f"`{versus[0]}` sustains none of the rates, so no rate anchors the comparison."
-    rate = max(r["request_rate"] for r in base)
+    if base:
+        rate = max(r["request_rate"] for r in base)
+        where = (f"at {rate:g} req/s, the highest rate `{versus[0]}` sustains (all requests done at ≥ 90 % of the "
+                 "offered rate)")
+    else:       # still state the ratio, at the least loaded point, and say that no rate is sustained
+        rate = min((r["request_rate"] for r in rows if r["system"] == versus[0]), default=None)
+        if rate is None:
+            return None
+        where = (f"`{versus[0]}` sustains none of the rates (all requests done at ≥ 90 % of the offered rate); at "
+                 f"the lowest, {rate:g} req/s")
     at = {r["system"]: r for r in rows if r["request_rate"] == rate}
-    if focus not in at:
+    if focus not in at or not at[focus]["mean_tpot_ms"]:
         return None
     parts = [f"{at[v]['mean_tpot_ms'] / at[focus]['mean_tpot_ms']:.2f}× lower than `{v}`'s "
-             f"({at[v]['mean_tpot_ms']:.0f} ms)" for v in versus if v in at and at[focus]["mean_tpot_ms"]]
-    return (f"at {rate:g} req/s, the highest rate `{versus[0]}` sustains (all requests done at ≥ 90 % of the offered "
-            f"rate), `{focus}`'s mean TPOT ({at[focus]['mean_tpot_ms']:.0f} ms) is " + " and ".join(parts) + ".")
+             f"({at[v]['mean_tpot_ms']:.0f} ms)" for v in versus if v in at]
+    return (f"{where}, `{focus}`'s mean TPOT ({at[focus]['mean_tpot_ms']:.0f} ms) is " + " and ".join(parts)
+            + " (below 1×: higher).")
 
 
 def write_summary(cfg, p: Params, rows: list[dict], envs: list[dict], out_dir: Path) -> dict[str, str]:

@@ -131,10 +131,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, sca
     padded past counts [B, Hkv]) -> probabilities [B, Hq, N], exactly 0 on padding."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    qg = q.float().view(b, hkv, hq // hkv, d)
-    logits = qg @ k.float().transpose(-1, -2) * scale                   # [B, Hkv, G, N]
-    pad = torch.arange(n, device=k.device).view(1, 1, 1, n) >= counts.view(b, hkv, 1, 1)
-    return logits.masked_fill(pad, float("-inf")).softmax(-1).view(b, hq, n)
+    out = q.new_zeros(b, hq, n, dtype=torch.float32)
+    # one sequence at a time, each over its own stored length: a batched matmul and softmax over the batch's padded
+    # width round differently as the batch changes, and a near-tie between eviction candidates would then be
+    # decided by which other requests share the step (decoding must not depend on batch composition)
+    for i in range(b):
+        m = int(counts[i].max())
+        if m == 0:
+            continue
+        logits = q[i].float().view(hkv, hq // hkv, d) @ k[i, :, :m].float().transpose(-1, -2) * scale  # [Hkv, G, m]
+        pad = torch.arange(m, device=k.device).view(1, 1, m) >= counts[i].view(hkv, 1, 1)
+        out[i, :, :m] = logits.masked_fill(pad, float("-inf")).softmax(-1).view(hq, m)
+    return out
 
 
 def top_keep(scores: torch.Tensor, budget: int, window: int, n: int) -> list[torch.Tensor]:

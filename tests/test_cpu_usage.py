@@ -1,0 +1,37 @@
+"""CpuMeter reads what a process tree used from /proc: children count, excluded subtrees do not."""
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import pytest
+
+from harness.cpu_usage import CpuMeter, process_tree
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _spin(until: float) -> None:
+    while time.time() < until:
+        pass
+
+
+def _measure(exclude_child: bool) -> tuple[float, int]:
+    child = mp.get_context("spawn").Process(target=_spin, args=(time.time() + 30,), daemon=True)
+    child.start()
+    try:
+        time.sleep(0.5)                                       # the child is spinning before the window opens
+        with CpuMeter(exclude=frozenset({child.pid}) if exclude_child else frozenset()) as meter:
+            time.sleep(0.6)
+        assert child.pid in process_tree(os.getpid())
+    finally:
+        child.kill()
+        child.join()
+    return meter.usage.cpu_s, meter.usage.processes
+
+
+def test_children_count_and_excluded_subtrees_do_not():
+    counted, procs = _measure(exclude_child=False)
+    excluded, procs_excluded = _measure(exclude_child=True)
+    assert counted >= 0.3 and procs == procs_excluded + 1      # the spinning child used most of the window
+    assert excluded < 0.2                                       # this process only slept
