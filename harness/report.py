@@ -58,7 +58,8 @@ def provenance(cfg, envs: Sequence[dict] | None = None) -> str:
     commands = sorted({e.get("command_line") for e in envs if e.get("command_line")})
     cmd = commands[0] if commands else command_line(cfg)
     mixed = " — cells from more than one code version: rerun to make them agree" if len(codes) > 1 else ""
-    return (f"Made by `{cmd}` at git {', '.join(f'`{m}`' for m in made)} (* = uncommitted changes), code "
+    dirty = " (* = uncommitted changes)" if any(m.endswith("*") for m in made) else ""
+    return (f"Made by `{cmd}` at git {', '.join(f'`{m}`' for m in made)}{dirty}, code "
             f"{', '.join(f'`{c}`' for c in codes)}{mixed}, on {env.get('cpu')} ({env.get('cpu_count')} cores, GPU: "
             f"{env.get('gpu') or 'none'}), torch {(env.get('packages') or {}).get('torch')}, transformers "
             f"{(env.get('packages') or {}).get('transformers')}. Per-cell config.yaml and env.json sit beside this "
