@@ -135,7 +135,7 @@ def test_engine_system_text_stop_and_memory(tmp_path, tokenizer_dir):
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path)
     engine_cfg = SimpleNamespace(page_size=8, device_memory_gb=0.01, host_memory_gb=0.01, max_num_seqs=4,
                                  max_num_batched_tokens=256, threads=None)
-    with pytest.raises(ValueError, match="valid keys"):
+    with pytest.raises(ValueError, match="unknown parameter.*valid: none"):
         EngineSystem(str(tmp_path), "dense", {"budget": 4}, engine_cfg)
     system = EngineSystem(str(tmp_path), "dense", {}, engine_cfg, dtype="float32")
     prompt = list(range(10, 40))
