@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.kv_cache import TieredKVCache
@@ -71,20 +70,11 @@ class ModelRunner:
         kv = self.kv
         kv.store_prefill(info.slot, layer, k, v, start=a)
         if a == 0:
-            keys, values, mask, causal = k, v, None, True
-        else:       # earlier chunks are stored (all resident): read them back, mask by position
+            keys, values = k, v
+        else:       # earlier chunks are stored (all resident): read them back
             k_prev, v_prev = kv.prompt_kv(info.slot, layer, a)
             keys, values = torch.cat([k_prev, k]), torch.cat([v_prev, v])
-            pos = torch.arange(b, device=q.device)
-            mask, causal = pos.view(1, -1) <= pos[a:].view(-1, 1), False
-        group = q.shape[1] // keys.shape[1]
-        if mask is not None and q.is_cuda and group > 1:
-            # CUDA's masked SDPA kernels take no GQA broadcast (it would fall back to the math kernel)
-            keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
-        # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
-        out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=kv.scale,
-                                             enable_gqa=keys.shape[1] != q.shape[1])[0].transpose(0, 1)
+        out = self.ops.prompt_attention(q, keys, values, kv.scale)
         if not self._prompt_hook:
             return out
         if b < seq.prefill_len:      # the hook sees the whole prompt: keep this chunk's queries (keys stay stored)

@@ -104,6 +104,16 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.cat([F.linear(chunk, weight, bias) for chunk in x.split(tile)])[:n]
 
 
+def fused_cpu_steps(device: torch.device, dtype: torch.dtype):
+    """The fused elementwise CPU kernels (residual add + RMSNorm, RoPE, SiLU gate: ops/cpu_model.cpp) where they are
+    built, else None (the torch expressions below, which round identically)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    from systems.engine.ops import cpu_kernels
+
+    return torch.ops.kvharness_cpu if cpu_kernels.available() and cpu_kernels.has_model_steps() else None
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -143,6 +153,7 @@ class LlamaModel:
                 down=w[p + "mlp.down_proj.weight"]))
         inv, self.rope_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
+        self.fused = fused_cpu_steps(self.device, dtype)
 
     def _load(self, folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(folder.glob("*.safetensors"))
@@ -156,17 +167,41 @@ class LlamaModel:
         return out
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for the given positions, computed in fp32 as HF does, then cast to the model dtype."""
+        """cos, sin [T, 1, D] ([T, D] for the fused CPU steps) for the given positions, computed in fp32 as HF
+        does, then cast to the model dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(self.dtype)[:, None, :]
-        sin = (emb.sin() * self.rope_scaling).to(self.dtype)[:, None, :]
-        return cos, sin
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        return (cos, sin) if self.fused is not None else (cos[:, None, :], sin[:, None, :])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
         return weight * xf.to(x.dtype)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding `delta`, and its RMSNorm (one fused pass on CPU, h updated in place)."""
+        if self.fused is not None:
+            return h, self.fused.add_rms_norm(h, delta, weight, self.spec.rms_norm_eps)
+        if delta is not None:
+            h = h + delta
+        return h, self.rms_norm(h, weight)
+
+    def rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE over q and k heads [T, H, D] together (in place on CPU)."""
+        if self.fused is not None:
+            self.fused.rope_(qk, cos, sin)
+            return qk
+        return qk * cos + rotate_half(qk) * sin
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the stacked gate/up projection [T, 2I]."""
+        if self.fused is not None:
+            return self.fused.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -178,19 +213,17 @@ class LlamaModel:
         nq, nkv, d = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
         cos, sin = self.rope(positions)
         h = F.embedding(input_ids, self.embed)
+        delta = None
         for i, lw in enumerate(self.layers):
-            x = self.rms_norm(h, lw.ln1)
+            h, x = self.add_norm(h, delta, lw.ln1)
             qkv = tiled_linear(x, lw.qkv, lw.qkv_b, tile)
-            qk = qkv[:, :nq + nkv].view(T, s.num_q_heads + s.num_kv_heads, d)
-            qk = qk * cos + rotate_half(qk) * sin                      # q and k heads rotated in one pass
+            qk = self.rotate(qkv[:, :nq + nkv].view(T, s.num_q_heads + s.num_kv_heads, d), cos, sin)
             q, k = qk[:, :s.num_q_heads], qk[:, s.num_q_heads:]
             v = qkv[:, nq + nkv:].reshape(T, s.num_kv_heads, d)
             o = attend(i, q, k, v)
-            h = h + tiled_linear(o.reshape(T, nq), lw.o, None, tile)
-            x = self.rms_norm(h, lw.ln2)
-            gate, up = tiled_linear(x, lw.gate_up, None, tile).chunk(2, dim=-1)
-            h = h + tiled_linear(F.silu(gate) * up, lw.down, None, tile)
-        return self.rms_norm(h, self.norm)
+            h, x = self.add_norm(h, tiled_linear(o.reshape(T, nq), lw.o, None, tile), lw.ln2)
+            delta = tiled_linear(self.gated(tiled_linear(x, lw.gate_up, None, tile)), lw.down, None, tile)
+        return self.add_norm(h, delta, self.norm)[1]
 
     def logits(self, hidden: torch.Tensor, tile: int | None = None) -> torch.Tensor:
         return tiled_linear(hidden, self.lm_head, None, tile).float()

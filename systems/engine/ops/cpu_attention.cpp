@@ -21,28 +21,13 @@ namespace {
 using kvh::kMaxGroup;
 using kvh::kMaxPage;
 #ifdef KVH_HAVE_AVX512_BF16
+using kvh::exp16;
 using kvh::sum16;
 #endif
 using kvh::to_float;
 
-// exp for x <= 0 (scores minus their running max): 2^n * p(r), |rel err| < 2e-7, branch-free so loops vectorize.
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t + 0.5f);
-  const float r = (t - n) * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, 4);
-  return p * scale;
-}
+// e^x for x <= 0 (scores minus their running max)
+inline float exp_nonpos(float x) { return kvh::exp_clamped(x); }
 
 // Every page of a head, in table order: page j holds min(P, n - j*P) tokens.
 struct AllPages {
@@ -142,22 +127,6 @@ void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const 
 
 #ifdef KVH_HAVE_AVX512_BF16
 
-// exp_nonpos on 16 lanes: 2^n * p(r) with scalef.
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // bf16 pools on CPUs with AVX512-BF16, 16 tokens at a time: q.k by vdpbf16ps straight from the stored page (the
 // 16 dot products reduced together by sum16), softmax update on one register, p.v by fp32 FMAs.
 template <int D, typename Pages>
@@ -220,7 +189,7 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
         const float chunk_max = _mm512_reduce_max_ps(sc);
         const float new_max = chunk_max > m[g] ? chunk_max : m[g];
         const float corr = exp_nonpos(m[g] - new_max);  // m = -inf on the first chunk: clamps to ~0
-        const __m512 pv = _mm512_maskz_mov_ps(live, exp_nonpos16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+        const __m512 pv = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
         l[g] = l[g] * corr + _mm512_reduce_add_ps(pv);
         m[g] = new_max;
         _mm512_store_ps(p16[g], pv);

@@ -1,6 +1,7 @@
-// Shared by the CPU kernels: bf16 loads, the AVX512-BF16 switch and the 16-lane transposing sum.
+// Shared by the CPU kernels: bf16 loads, exp, the AVX512-BF16 switch and the 16-lane transposing sum.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -14,6 +15,26 @@ namespace kvh {
 constexpr int kMaxGroup = 16;
 constexpr int kMaxPage = 256;
 
+// e^x for x in [-87, 88] (clamped outside): 2^n * p(r), |rel err| < 1e-6, branch-free so loops vectorize.
+inline float exp_clamped(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t + 0.5f);
+  const float r = (t - n) * 0.693147180559945309f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bits) {  // bf16: the high half of an fp32
   uint32_t u = static_cast<uint32_t>(bits) << 16;
@@ -23,6 +44,28 @@ inline float to_float(uint16_t bits) {  // bf16: the high half of an fp32
 }
 
 #ifdef KVH_HAVE_AVX512_BF16
+// exp_clamped on 16 lanes, with scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 16 bf16 values widened to fp32, and fp32 rounded to the nearest bf16 (kept in fp32 lanes).
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 round_bf16x16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
 // Lane t of the result = the sum of the 16 lanes of a[t] (a transposing add tree: 46 ops instead of 16 reductions).
 inline __m512 sum16(const __m512* a) {
   // lane 4k + j of the tree's output holds token {0,2,1,3}[j] + {0,8,4,12}[k]; this puts token t in lane t

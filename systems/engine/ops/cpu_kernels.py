@@ -1,4 +1,5 @@
-"""The CPU path's fused kernels (cpu_attention.cpp, cpu_scoring.cpp), built once per checkout on first use."""
+"""The CPU path's fused kernels (cpu_attention.cpp, cpu_prefill.cpp, cpu_scoring.cpp, cpu_model.cpp), built once per
+checkout on first use."""
 from __future__ import annotations
 
 import hashlib
@@ -11,7 +12,8 @@ import torch
 
 from systems.engine.ops import torch_attention, torch_scoring
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_scoring.cpp")]
+_SOURCES = [Path(__file__).with_name(name)
+            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp", "cpu_model.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
@@ -99,6 +101,30 @@ def available() -> bool:
 def _fits(q: torch.Tensor, pool: torch.Tensor, num_kv_heads: int) -> bool:
     return (pool.dtype in (torch.bfloat16, torch.float32) and q.shape[-1] in HEAD_DIMS and pool.shape[1] <= MAX_PAGE
             and q.shape[1] // num_kv_heads <= MAX_GROUP and pool.is_contiguous() and available())
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as torch_attention.prompt_attention. The kernel (bf16 dot products, built only for CPUs with
+    AVX512-BF16) runs where torch's flash attention would widen bf16 to fp32; on CPUs with AMX tiles torch's own
+    kernel multiplies on the tiles and stays."""
+    if (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and _bf16_prompt_kernel()):
+        return torch.ops.kvharness_cpu.prompt_attention(q, k, v, float(scale))
+    return torch_attention.prompt_attention(q, k, v, scale)
+
+
+def has_model_steps() -> bool:
+    """Whether the build registered the fused decoder steps (add_rms_norm, rope_, silu_mul)."""
+    return available() and hasattr(torch.ops.kvharness_cpu, "silu_mul")
+
+
+def _bf16_prompt_kernel() -> bool:
+    if "prompt" not in _state:
+        from systems.hardware import cpu_flags
+
+        _state["prompt"] = (available() and hasattr(torch.ops.kvharness_cpu, "prompt_attention")
+                            and "amx_bf16" not in cpu_flags())
+    return bool(_state["prompt"])
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,

@@ -1,7 +1,30 @@
-"""Paged decode attention over per-(sequence, KV head) block tables, dense and sparse top-K (torch reference)."""
+"""Attention (torch reference): causal prompt attention, and paged decode attention over per-(sequence, KV head)
+block tables, dense and sparse top-K."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt chunk's queries to the prompt so far.
+
+    q: [T, Hq, D], the queries of positions S-T .. S-1; k, v: [S, Hkv, D], positions 0 .. S-1. Query head h reads KV
+    head h // (Hq // Hkv). Returns [T, Hq, D] in q's dtype.
+    """
+    T, S = q.shape[0], k.shape[0]
+    mask, causal = None, True
+    if S != T:      # a later chunk: the causal diagonal sits S - T positions to the right
+        pos = torch.arange(S, device=q.device)
+        mask, causal = pos.view(1, -1) <= pos[S - T:].view(-1, 1), False
+    group = q.shape[1] // k.shape[1]
+    if mask is not None and q.is_cuda and group > 1:
+        # CUDA's masked SDPA kernels take no GQA broadcast (it would fall back to the math kernel)
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    qi, ki, vi = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    # enable_gqa lets SDPA broadcast KV heads over their query group without a stored copy
+    return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])[0].transpose(0, 1)
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,

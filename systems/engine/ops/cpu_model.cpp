@@ -1,0 +1,171 @@
+// The decoder's elementwise steps fused into one pass each (residual add + RMSNorm, RoPE, SiLU gate), bf16 or fp32.
+//
+// Why: on a 135M-parameter model a decode step is a few small matmuls and ~20 elementwise torch ops per layer, each a
+// separate pass over memory plus framework overhead; fused, each step reads and writes its tensor once. Every output
+// is rounded exactly where the torch expressions in models/llama.py round (bf16 after each op), and each row is
+// computed alone, so results do not depend on the batch or the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu_common.h"
+
+// each product and sum is rounded on its own, as torch's separate ops do (no fused multiply-add)
+#pragma GCC optimize("fp-contract=off")
+
+namespace {
+
+using kvh::to_float;
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) {  // fp32 -> bf16, round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  *p = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+template <typename T>
+inline float rounded(float x) {  // x as the model dtype holds it
+  T t;
+  store(&t, x);
+  return to_float(t);
+}
+
+// Rows per task: enough work to be worth a thread, so small decode batches run on the calling thread.
+inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+// h += delta (rounded to the dtype, as `h + delta` is); out = weight * dtype(h * rsqrt(mean(h^2) + eps)).
+template <typename T>
+void add_rms_norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t rows, int64_t H, float eps) {
+  at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = h + r * H;
+      if (delta) {
+        const T* dr = delta + r * H;
+        for (int64_t i = 0; i < H; ++i) store(hr + i, to_float(hr[i]) + to_float(dr[i]));
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += to_float(hr[i]) * to_float(hr[i]);
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* orow = out + r * H;
+      for (int64_t i = 0; i < H; ++i) store(orow + i, to_float(weight[i]) * rounded<T>(to_float(hr[i]) * inv));
+    }
+  });
+}
+
+// out[i] = dtype(dtype(silu(g[i])) * u[i]) for i < n.
+template <typename T>
+inline void silu_mul_span(const T* g, const T* u, T* o, int64_t n) {
+  int64_t i = 0;
+#ifdef KVH_HAVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m512 gv = kvh::load_bf16x16(g + i);
+      const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), kvh::exp16(_mm512_sub_ps(
+                                                                          _mm512_setzero_ps(), gv))));
+      const __m512 y = _mm512_mul_ps(kvh::round_bf16x16(s), kvh::load_bf16x16(u + i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float gv = to_float(g[i]);
+    store(o + i, rounded<T>(gv / (1.0f + kvh::exp_clamped(-gv))) * to_float(u[i]));
+  }
+}
+
+// out[r, :] = silu_mul(gate = x[r, :I], up = x[r, I:]).
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows, grain(2 * I), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) silu_mul_span<T>(x + r * 2 * I, x + r * 2 * I + I, out + r * I, I);
+  });
+}
+
+// In place over [T, H, D] heads: x = dtype(dtype(x * cos) + dtype(rotate_half(x) * sin)), cos/sin [T, D].
+template <typename T>
+void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t H, int64_t D, int64_t stride0) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, rows, grain(H * D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cos + r * D;
+      const T* s = sin + r * D;
+      for (int64_t h = 0; h < H; ++h) {
+        T* v = x + r * stride0 + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = to_float(v[i]), b = to_float(v[i + half]);
+          const float lo = rounded<T>(a * to_float(c[i])) + rounded<T>(-b * to_float(s[i]));
+          const float hi = rounded<T>(b * to_float(c[i + half])) + rounded<T>(a * to_float(s[i + half]));
+          store(v + i, lo);
+          store(v + i + half, hi);
+        }
+      }
+    }
+  });
+}
+
+template <typename F>
+void by_dtype(const at::Tensor& t, const char* what, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) {
+    f(uint16_t{});
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, what, ": bf16 or fp32 only");
+    f(float{});
+  }
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// Returns norm(h + delta) and writes h + delta into h (delta may be absent: a plain RMSNorm of h, h unchanged).
+at::Tensor add_rms_norm(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && weight.is_contiguous() && weight.numel() == h.size(1) &&
+              weight.scalar_type() == h.scalar_type(), "add_rms_norm: h [T, H] contiguous, weight [H] same dtype");
+  at::Tensor d;
+  if (delta.has_value()) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == h.sizes() && d.scalar_type() == h.scalar_type(), "add_rms_norm: delta like h");
+  }
+  at::Tensor out = at::empty_like(h);
+  by_dtype(h, "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_rows<T>(ptr<T>(h), d.defined() ? ptr<T>(d) : nullptr, ptr<T>(weight), ptr<T>(out), h.size(0),
+                         h.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: x [T, 2I]");
+  at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  by_dtype(x, "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(ptr<T>(xc), ptr<T>(out), x.size(0), x.size(1) / 2);
+  });
+  return out;
+}
+
+void rope_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "rope_: x [T, H, D] with dense heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+              sin.sizes() == cos.sizes() && cos.scalar_type() == x.scalar_type(), "rope_: cos, sin [T, D] like x");
+  by_dtype(x, "rope_", [&](auto tag) {
+    using T = decltype(tag);
+    rope_rows<T>(ptr<T>(x), ptr<T>(cos), ptr<T>(sin), x.size(0), x.size(1), x.size(2), x.stride(0));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
+  m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm);
+  m.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
+  m.def("rope_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()", &rope_);
+}

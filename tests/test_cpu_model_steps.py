@@ -1,0 +1,74 @@
+"""The fused decoder steps (ops/cpu_model.cpp) round where the torch expressions round: bf16 results equal torch's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from systems.engine.models.llama import LlamaModel, rotate_half
+from systems.engine.ops import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_model_steps(), reason="no C++ compiler: the torch path is used")
+
+
+def _ops():
+    return torch.ops.kvharness_cpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_and_residual_add_equal_torch_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 37, 12, 64
+    qkv = torch.randn(T, H * D + 3 * D, generator=g).to(dtype)
+    qk = qkv[:, :H * D].view(T, H, D)               # a strided view of the projection, rotated in place
+    cos, sin = torch.randn(T, D, generator=g).to(dtype), torch.randn(T, D, generator=g).to(dtype)
+    want = qk * cos[:, None] + rotate_half(qk) * sin[:, None]
+    _ops().rope_(qk, cos, sin)
+    assert torch.equal(qk, want)
+    h, delta = torch.randn(T, 576, generator=g).to(dtype), torch.randn(T, 576, generator=g).to(dtype)
+    summed = h + delta
+    _ops().add_rms_norm(h, delta, torch.ones(576, dtype=dtype), 1e-5)
+    assert torch.equal(h, summed)
+
+
+def test_bf16_norm_and_gate_equal_torch():
+    """RMSNorm's fp32 sum of squares and SiLU's exp are computed differently from torch's, but both are rounded to
+    bf16 at the same points, so the outputs agree to the bit (one ulp allowed on a handful of ties)."""
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(64, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
+    xf = h.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    got = _ops().add_rms_norm(h.clone(), None, w, 1e-5)
+    gate_up = (3 * torch.randn(64, 2 * 1536, generator=g)).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    for out, ref in ((got, want), (_ops().silu_mul(gate_up), F.silu(gate) * up)):
+        assert (out != ref).float().mean() < 1e-3
+        torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+def test_fp32_steps_match_torch():
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(9, 64, generator=g), torch.randn(64, generator=g)
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(_ops().add_rms_norm(h.clone(), None, w, 1e-6), want, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(9, 256, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(_ops().silu_mul(gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_model_forward_with_fused_steps_matches_torch_steps(tiny_llama_dir, dtype):
+    model = LlamaModel(tiny_llama_dir, dtype, torch.device("cpu"))
+    assert model.fused is not None
+    ids, positions = torch.randint(3, 1000, (40,)), torch.arange(40)
+
+    def attend(layer, q, k, v):     # plain causal attention: the steps around it are what is compared
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).float(), k.transpose(0, 1).float(),
+                                             v.transpose(0, 1).float(), is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1).to(dtype)
+
+    fused = model.forward(ids, positions, attend)
+    model.fused = None
+    plain = model.forward(ids, positions, attend)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
