@@ -72,3 +72,22 @@ def test_model_forward_with_fused_steps_matches_torch_steps(tiny_llama_dir, dtyp
     plain = model.forward(ids, positions, attend)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])
+def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
+    """The oneDNN-prepacked copy of a bf16 weight gives F.linear's bits at every row count (with and without a
+    bias), so packing changes speed only."""
+    from systems.engine.models.linear import Linear
+
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(320, 96, generator=g).bfloat16(), torch.randn(320, generator=g).bfloat16()
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    for b in (None, bias):
+        linear = Linear(weight, b)
+        if torch.backends.mkldnn.is_available():
+            assert linear.packed is not None and linear.weight is None
+        assert torch.equal(linear(x), F.linear(x, weight, b))
+        padded = torch.cat([x, x.new_zeros(-rows % 16, 96)])
+        assert torch.equal(linear(x, tile=16), torch.cat([F.linear(c, weight, b) for c in padded.split(16)])[:rows])
+    assert Linear(weight.float()).packed is None        # fp32 keeps F.linear (MKL's kernel, not oneDNN's)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from systems.engine.models.linear import Linear
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
@@ -89,21 +91,6 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     raise ValueError(f"rope_type {kind!r} is not supported by the engine; supported: default, linear, llama3")
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: int | None) -> torch.Tensor:
-    """F.linear; with `tile`, every GEMM call gets exactly `tile` rows (the last chunk zero-padded), so each row's
-    result depends only on that row, not on how many rows the batch has (GEMM libraries choose kernels, and with
-    them the reduction order, by shape)."""
-    if tile is None:
-        return F.linear(x, weight, bias)
-    n = x.shape[0]
-    pad = -n % tile
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    if x.shape[0] == tile:
-        return F.linear(x, weight, bias)[:n]
-    return torch.cat([F.linear(chunk, weight, bias) for chunk in x.split(tile)])[:n]
-
-
 def fused_cpu_steps(device: torch.device, dtype: torch.dtype):
     """The fused elementwise CPU kernels (residual add + RMSNorm, RoPE, SiLU gate: ops/cpu_model.cpp) where they are
     built, else None (the torch expressions below, which round identically)."""
@@ -123,15 +110,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LayerWeights:
     ln1: torch.Tensor
     ln2: torch.Tensor
-    qkv: torch.Tensor                   # q, k and v projections stacked: one matmul
-    qkv_b: torch.Tensor | None          # Qwen2's q/k/v bias
-    o: torch.Tensor
-    gate_up: torch.Tensor               # gate and up projections stacked
-    down: torch.Tensor
+    qkv: Linear                         # q, k and v projections stacked (with Qwen2's bias): one matmul
+    o: Linear
+    gate_up: Linear                     # gate and up projections stacked
+    down: Linear
 
 
 class LlamaModel:
-    """Weights as plain tensors; q/k/v and gate/up projections fused so each is one matmul."""
+    """Norm weights as plain tensors, projections as Linear; q/k/v and gate/up stacked so each is one matmul."""
 
     def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device):
         self.spec = spec = ModelSpec.from_dir(model_dir)
@@ -140,7 +126,7 @@ class LlamaModel:
         pre = "model."
         self.embed = w[pre + "embed_tokens.weight"]
         self.norm = w[pre + "norm.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed)
+        self.lm_head = Linear(self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed))
         self.layers: list[LayerWeights] = []
         for i in range(spec.num_layers):
             p = f"{pre}layers.{i}."
@@ -148,9 +134,10 @@ class LlamaModel:
             qkv_b = (torch.cat([w[a + f"{n}_proj.bias"] for n in "qkv"]) if spec.qkv_bias else None)
             self.layers.append(LayerWeights(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                qkv=torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), qkv_b=qkv_b, o=w[a + "o_proj.weight"],
-                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                down=w[p + "mlp.down_proj.weight"]))
+                qkv=Linear(torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), qkv_b),
+                o=Linear(w[a + "o_proj.weight"]),
+                gate_up=Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                down=Linear(w[p + "mlp.down_proj.weight"])))
         inv, self.rope_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
         self.fused = fused_cpu_steps(self.device, dtype)
@@ -207,7 +194,7 @@ class LlamaModel:
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                 tile: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; returns the final-normed hidden states [T, hidden]. `tile`: rows per matmul
-        call (see tiled_linear); None = one call over all T rows."""
+        call (see Linear); None = one call over all T rows."""
         s = self.spec
         T = input_ids.shape[0]
         nq, nkv, d = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
@@ -216,14 +203,14 @@ class LlamaModel:
         delta = None
         for i, lw in enumerate(self.layers):
             h, x = self.add_norm(h, delta, lw.ln1)
-            qkv = tiled_linear(x, lw.qkv, lw.qkv_b, tile)
+            qkv = lw.qkv(x, tile)
             qk = self.rotate(qkv[:, :nq + nkv].view(T, s.num_q_heads + s.num_kv_heads, d), cos, sin)
             q, k = qk[:, :s.num_q_heads], qk[:, s.num_q_heads:]
             v = qkv[:, nq + nkv:].reshape(T, s.num_kv_heads, d)
             o = attend(i, q, k, v)
-            h, x = self.add_norm(h, tiled_linear(o.reshape(T, nq), lw.o, None, tile), lw.ln2)
-            delta = tiled_linear(self.gated(tiled_linear(x, lw.gate_up, None, tile)), lw.down, None, tile)
+            h, x = self.add_norm(h, lw.o(o.reshape(T, nq), tile), lw.ln2)
+            delta = lw.down(self.gated(lw.gate_up(x, tile)), tile)
         return self.add_norm(h, delta, self.norm)[1]
 
     def logits(self, hidden: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-        return tiled_linear(hidden, self.lm_head, None, tile).float()
+        return self.lm_head(hidden, tile).float()
