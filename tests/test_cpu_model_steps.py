@@ -67,9 +67,11 @@ def test_model_forward_with_fused_steps_matches_torch_steps(tiny_llama_dir, dtyp
                                              v.transpose(0, 1).float(), is_causal=True, enable_gqa=True)
         return out.transpose(0, 1).to(dtype)
 
-    fused = model.forward(ids, positions, attend)
-    model.fused = None
-    plain = model.forward(ids, positions, attend)
+    with torch.inference_mode():
+        fused = model.forward(ids, positions, attend)
+    with pytest.raises(RuntimeError, match="autograd=True"):
+        model.forward(ids, positions, attend)           # gradients on: the kernels would silently drop them
+    plain = LlamaModel(tiny_llama_dir, dtype, torch.device("cpu"), autograd=True).forward(ids, positions, attend)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
 

@@ -81,7 +81,7 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
 
     model_dir = resolve_model_dir(cfg.model.path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaModel(model_dir, torch.float32, torch.device("cpu"))
+    model = LlamaModel(model_dir, torch.float32, torch.device("cpu"), autograd=True)    # gates learn through it
     spec = model.spec
 
     def work(store) -> dict:

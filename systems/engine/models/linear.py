@@ -27,9 +27,10 @@ def prepacked(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor |
 class Linear:
     """y = x W^T (+ b)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
+        """`prepack=False` keeps F.linear, which has gradients."""
         self.bias = bias
-        self.packed = prepacked(weight, bias)
+        self.packed = prepacked(weight, bias) if prepack else None
         self.weight = weight if self.packed is None else None      # the packed copy replaces the plain one
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:

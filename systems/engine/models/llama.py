@@ -119,14 +119,19 @@ class LayerWeights:
 class LlamaModel:
     """Norm weights as plain tensors, projections as Linear; q/k/v and gate/up stacked so each is one matmul."""
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device, autograd: bool = False):
+        """`autograd`: plain torch ops throughout, so gradients flow through forward (gate training); otherwise the
+        fused CPU kernels and prepacked weights, which have none."""
         self.spec = spec = ModelSpec.from_dir(model_dir)
         self.dtype, self.device = dtype, device
         w = self._load(Path(model_dir))
         pre = "model."
         self.embed = w[pre + "embed_tokens.weight"]
         self.norm = w[pre + "norm.weight"]
-        self.lm_head = Linear(self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed))
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return Linear(weight, bias, prepack=not autograd)
+
+        self.lm_head = linear(self.embed if spec.tie_word_embeddings else w.get("lm_head.weight", self.embed))
         self.layers: list[LayerWeights] = []
         for i in range(spec.num_layers):
             p = f"{pre}layers.{i}."
@@ -134,13 +139,13 @@ class LlamaModel:
             qkv_b = (torch.cat([w[a + f"{n}_proj.bias"] for n in "qkv"]) if spec.qkv_bias else None)
             self.layers.append(LayerWeights(
                 ln1=w[p + "input_layernorm.weight"], ln2=w[p + "post_attention_layernorm.weight"],
-                qkv=Linear(torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), qkv_b),
-                o=Linear(w[a + "o_proj.weight"]),
-                gate_up=Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
-                down=Linear(w[p + "mlp.down_proj.weight"])))
+                qkv=linear(torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]), qkv_b),
+                o=linear(w[a + "o_proj.weight"]),
+                gate_up=linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+                down=linear(w[p + "mlp.down_proj.weight"])))
         inv, self.rope_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
-        self.fused = fused_cpu_steps(self.device, dtype)
+        self.fused = None if autograd else fused_cpu_steps(self.device, dtype)
 
     def _load(self, folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(folder.glob("*.safetensors"))
@@ -195,6 +200,9 @@ class LlamaModel:
                 tile: int | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; returns the final-normed hidden states [T, hidden]. `tile`: rows per matmul
         call (see Linear); None = one call over all T rows."""
+        if self.fused is not None and torch.is_grad_enabled():
+            raise RuntimeError("the fused CPU kernels have no gradients: run under torch.inference_mode(), or build "
+                               "the model with LlamaModel(..., autograd=True)")
         s = self.spec
         T = input_ids.shape[0]
         nq, nkv, d = s.num_q_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.head_dim
