@@ -6,10 +6,14 @@ import torch
 
 from systems.engine.ops import cpu_kernels, load_ops
 from systems.engine.ops.torch_attention import prompt_attention
+from systems.hardware import cpu_flags
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available() or not hasattr(torch.ops.kvharness_cpu,
-                                                                           "prompt_attention"),
+pytestmark = pytest.mark.skipif(not cpu_kernels.toolchain() or "avx512_bf16" not in cpu_flags(),
                                 reason="the prompt kernel is built only for CPUs with AVX512-BF16")
+
+
+def test_prompt_kernel_is_built():
+    assert cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "prompt_attention")
 
 
 def _qkv(S, Hq, Hkv, D, seed):

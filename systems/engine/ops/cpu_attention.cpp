@@ -227,8 +227,8 @@ struct Listing {
 
 template <typename T, int D>
 void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G, float* out) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  kvh::parallel_tasks(rows, [&](auto next) {
+    for (int64_t i; (i = next()) < rows;) {
       if (ls.selected)
         attend_head<T, D>(q + i * G * D, G, k, v, ls.chosen(i), ls.P, out + i * G * D);
       else
@@ -285,8 +285,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
     const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
     const float sc = static_cast<float>(scale);
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
+    kvh::parallel_tasks(rows, [&](auto next) {
+      for (int64_t i; (i = next()) < rows;) {
         const uint16_t* qi = qp + i * G * D;
         float* oi = op + i * G * D;
         if (D == 64) {

@@ -1,6 +1,10 @@
-// Shared by the CPU kernels: bf16 loads, exp, the AVX512-BF16 switch and the 16-lane transposing sum.
+// Shared by the CPU kernels: bf16 loads, exp, the AVX512-BF16 switch, the 16-lane transposing sum and task sharing.
 #pragma once
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +18,19 @@ namespace kvh {
 
 constexpr int kMaxGroup = 16;
 constexpr int kMaxPage = 256;
+
+// Runs body(next) once on each of up to get_num_threads() threads; next() hands out task indices 0, 1, 2, ... in
+// order, one per call, and returns n or more once all are taken. Tasks go to whichever thread is free: on a shared
+// host a thread that loses its core takes fewer of them, where equal static ranges would make every other thread
+// wait for it at the end of the region. A task's result must not depend on which thread runs it.
+template <typename Body>
+inline void parallel_tasks(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  std::atomic<int64_t> counter{0};
+  auto next = [&counter] { return counter.fetch_add(1, std::memory_order_relaxed); };
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { body(next); });
+}
 
 // e^x for x in [-87, 88] (clamped outside): 2^n * p(r), |rel err| < 1e-6, branch-free so loops vectorize.
 inline float exp_clamped(float x) {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import warnings
 from pathlib import Path
@@ -81,6 +82,13 @@ def _build() -> bool:
              extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVH_COMMON_H={header}"],
              extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     return hasattr(torch.ops.kvharness_cpu, "decode_attention") and hasattr(torch.ops.kvharness_cpu, "resident_pages")
+
+
+def toolchain() -> bool:
+    """Whether this machine can build the kernels (a C++ compiler, and KVHARNESS_CPU_KERNELS not 0): where it can,
+    a failed build is a bug, not a reason to fall back quietly."""
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    return os.environ.get("KVHARNESS_CPU_KERNELS", "1") != "0" and compiler is not None
 
 
 def available() -> bool:

@@ -146,13 +146,12 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t qblocks = (T + kQueryBlock - 1) / kQueryBlock, offset = S - T;
   const float sc = static_cast<float>(scale);
-  // causal work grows with the block index: tasks alternate between the cheap and the dear end, so the equal
-  // contiguous ranges parallel_for hands each thread carry equal work
-  at::parallel_for(0, Hkv * qblocks, 1, [&](int64_t begin, int64_t end) {
+  // causal work grows with the block index: the dearest blocks are handed out first, so the cheap ones at the end
+  // even out the threads' finishing times
+  kvh::parallel_tasks(Hkv * qblocks, [&](auto next) {
     std::vector<RowState<D>> state(static_cast<size_t>(G * kQueryBlock));
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task % Hkv, i = task / Hkv;
-      const int64_t qblock = i % 2 == 0 ? i / 2 : qblocks - 1 - i / 2;
+    for (int64_t task; (task = next()) < Hkv * qblocks;) {
+      const int64_t h = task % Hkv, qblock = qblocks - 1 - task / Hkv;
       const int64_t t0 = qblock * kQueryBlock, nt = std::min<int64_t>(kQueryBlock, T - t0);
       const int rows = static_cast<int>(G * nt);
       for (int r = 0; r < rows; ++r) state[r] = RowState<D>();

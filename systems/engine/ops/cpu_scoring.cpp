@@ -205,12 +205,12 @@ ScoreArgs score_args(const at::Tensor& q, const at::Tensor& kmin, const at::Tens
 // query's positive and negative parts are split per task (exact in the query's own dtype).
 template <typename T, typename Fn>
 void for_scored_heads(const ScoreArgs& a, const T* kmin, const T* kmax, Fn fn) {
-  at::parallel_for(0, a.B * a.H, 1, [&](int64_t begin, int64_t end) {
+  kvh::parallel_tasks(a.B * a.H, [&](auto next) {
     const int64_t GD = a.G * a.D;
     std::vector<float> buf(a.W), qp(GD), qn(GD);
     std::vector<uint16_t> qpb(a.q_bf16 ? GD : 0), qnb(a.q_bf16 ? GD : 0);
     const bool bf16_dots = a.q_bf16 && std::is_same_v<T, uint16_t>;
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i; (i = next()) < a.B * a.H;) {
       const int64_t b = i / a.H, hi = i % a.H;
       for (int64_t e = 0; e < GD; ++e) {
         float x;
