@@ -109,6 +109,11 @@ def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: 
     return paths
 
 
+def _steps_by_threads(row: dict) -> str:
+    counts = (row.get("memory") or {}).get("extra", {}).get("steps_by_threads") or {}
+    return ", ".join(f"{n}: {steps}" for n, steps in sorted(counts.items(), reverse=True)) or "–"
+
+
 def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, str]:
     summary = Summary(cfg, f"{cfg.exp.name}: throughput on an idle and on a busy host", envs=cell_envs(rows))
     verdicts = []
@@ -124,13 +129,16 @@ def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, 
     summary.glance("more threads vs fewer, per system and background load (one run; > 1 = more threads faster):",
                    verdicts)
     summary.table(["system", "threads", "burners", "total tok/s", "output tok/s", "wall s", "cores busy",
-                   "busy threads", "CPUs"],
+                   "busy threads", "CPUs", "steps by thread count"],
                   [[r["system"], r["threads"], r["background"], r["total_tok_s"], r["output_tok_s"], r["wall_s"],
-                    r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed")] for r in rows], 2)
+                    r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed"), _steps_by_threads(r)]
+                   for r in rows], 2)
     summary.text(f"{p.num_requests} requests × ({p.input_len} + {p.output_len} tokens, EOS ignored), timed as "
                  "offline_throughput times them. A burner is a busy-looping process started after the warm-up and "
                  "killed after the run; cores busy counts only the system's own processes (CPU seconds ÷ wall), "
-                 "read from /proc.")
+                 "read from /proc. The engine runs on the cores other processes leave free (`engine.adapt_threads`, "
+                 "measured from /proc/stat every 0.5 s, never more than `threads`); steps by thread count says how "
+                 "many of its steps ran at each count.")
     summary.csv([{k: r.get(k) for k in ("system", "threads", "background", "total_tok_s", "output_tok_s", "wall_s",
                                         "cores_busy", "cpu_s", "busy_threads", "cpus_allowed")} for r in rows])
     summary.took(sum(r.get("wall_s", 0) for r in rows), "timed generate() calls")

@@ -25,6 +25,7 @@ class EngineConfig:
     max_num_seqs: int = 16               # sequences decoded together
     max_num_batched_tokens: int = 8192   # prompt tokens packed into one prefill step
     threads: Optional[int] = None        # torch CPU threads; null = torch's setting (one per core by default)
+    adapt_threads: bool = True           # run on the cores other processes leave free, up to `threads` (cpu_share)
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
     chunked_prefill: bool = True         # decodes share each step with prompt chunks (off in batch-invariant mode)
 

@@ -9,6 +9,7 @@ import torch
 
 from systems.base import GenerationRequest, cut_at_stop
 from systems.engine.config import EngineConfig
+from systems.engine.cpu_share import ThreadGovernor
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
@@ -30,6 +31,8 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.threads)
+        cpu = self.device.type == "cpu"
+        self.threads = ThreadGovernor(torch.get_num_threads() if cpu else 1, enabled=cpu and cfg.adapt_threads)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel(model_dir, self.dtype, self.device)
         spec = self.model.spec
@@ -80,6 +83,7 @@ class Engine:
             if nxt is not None and not self.scheduler.running:
                 time.sleep(min(max(nxt - now, 0.0), 0.05))
             return []
+        self.threads.update()
         logits = self.runner.run_step(work.decodes, work.chunks)
         for seq, _, end in work.chunks:
             seq.num_computed = end
