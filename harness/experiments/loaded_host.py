@@ -2,9 +2,9 @@
 
 A benchmark a user can rerun on their own machine: the same offline requests through engine-dense (torch threads)
 and vLLM (its worker bound to the same cores), first alone, then while `background` busy-loop processes compete for
-the cores. It answers whether more threads ever lose to fewer when the machine is busy (the failure OpenMP's
-spin-waiting barriers cause: a waiting thread burns its time slice while the thread it waits for is descheduled),
-and prints what each run actually used from /proc.
+the cores. It answers whether more threads ever lose to fewer when the machine is busy (every parallel region
+waits for its slowest thread, and the thread that shares a core with the other process is slow; OpenMP barriers
+that spin make it worse), and prints what each run actually used from /proc.
 """
 from __future__ import annotations
 
@@ -36,6 +36,8 @@ class Params(GridParams):
     num_requests: int = 4
     input_len: int = 1500
     output_len: int = 32
+    repeats: int = 3              # timed generate() calls per point; the median one is reported, all are kept
+    settle_s: float = 2.0         # the burners run this long before timing: the host is busy when requests come
 
 
 def _burn(stop_at: float) -> None:
@@ -68,6 +70,8 @@ def points(cells: list[GridCell], p: Params) -> list[tuple[DictConfig, int, int,
 
 def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     p = params_lib.parse(cfg, Params)
+    if p.repeats < 1 or p.settle_s < 0:
+        raise ValueError(f"exp.params.repeats must be >= 1 and settle_s >= 0, got {p.repeats} and {p.settle_s}")
     todo = points(cells, p)
     ws = Workspace(cfg)
     for system, *_ in todo:
@@ -85,8 +89,13 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
                 for b in burners:
                     b.start()
                 try:
-                    return {"system": system.name, "threads": threads, "background": bg,
-                            **measure(sut, reqs, exclude=frozenset(b.pid for b in burners if b.pid))}
+                    if burners:
+                        time.sleep(p.settle_s)
+                    runs = [measure(sut, reqs, exclude=frozenset(b.pid for b in burners if b.pid))
+                            for _ in range(p.repeats)]
+                    median = sorted(runs, key=lambda m: m["total_tok_s"])[(len(runs) - 1) // 2]
+                    return {"system": system.name, "threads": threads, "background": bg, **median,
+                            "total_tok_s_runs": [m["total_tok_s"] for m in runs]}
                 finally:
                     for b in burners:
                         b.kill()
@@ -109,6 +118,10 @@ def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: 
     return paths
 
 
+def _runs(row: dict) -> str:
+    return "/".join(f"{x:.0f}" for x in row.get("total_tok_s_runs") or [row["total_tok_s"]])
+
+
 def _steps_by_threads(row: dict) -> str:
     counts = (row.get("memory") or {}).get("extra", {}).get("steps_by_threads") or {}
     return ", ".join(f"{n}: {steps}" for n, steps in sorted(counts.items(), reverse=True)) or "–"
@@ -125,21 +138,25 @@ def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, 
                 few, many = runs[0], runs[-1]
                 verdicts.append(f"`{system}` with {bg} burner(s): {many['threads']} threads "
                                 f"{many['total_tok_s'] / few['total_tok_s']:.2f}× the tok/s of {few['threads']} "
-                                f"({many['total_tok_s']:.0f} vs {few['total_tok_s']:.0f})")
-    summary.glance("more threads vs fewer, per system and background load (one run; > 1 = more threads faster):",
-                   verdicts)
+                                f"({many['total_tok_s']:.0f} vs {few['total_tok_s']:.0f}; runs {_runs(many)} vs "
+                                f"{_runs(few)})")
+    summary.glance(f"more threads vs fewer, per system and background load (median of {p.repeats} timed runs each; "
+                   "> 1 = more threads faster):", verdicts)
     summary.table(["system", "threads", "burners", "total tok/s", "output tok/s", "wall s", "cores busy",
                    "busy threads", "CPUs", "steps by thread count"],
                   [[r["system"], r["threads"], r["background"], r["total_tok_s"], r["output_tok_s"], r["wall_s"],
                     r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed"), _steps_by_threads(r)]
                    for r in rows], 2)
     summary.text(f"{p.num_requests} requests × ({p.input_len} + {p.output_len} tokens, EOS ignored), timed as "
-                 "offline_throughput times them. A burner is a busy-looping process started after the warm-up and "
-                 "killed after the run; cores busy counts only the system's own processes (CPU seconds ÷ wall), "
+                 f"offline_throughput times them, {p.repeats} times per row (the row is the median run). A burner is "
+                 f"a busy-looping process started after the warm-up, {p.settle_s:g} s before the first timed run, and "
+                 "killed after the last; cores busy counts only the system's own processes (CPU seconds ÷ wall), "
                  "read from /proc. The engine runs on the cores other processes leave free (`engine.adapt_threads`, "
                  "measured from /proc/stat every 0.5 s, never more than `threads`); steps by thread count says how "
                  "many of its steps ran at each count.")
     summary.csv([{k: r.get(k) for k in ("system", "threads", "background", "total_tok_s", "output_tok_s", "wall_s",
-                                        "cores_busy", "cpu_s", "busy_threads", "cpus_allowed")} for r in rows])
-    summary.took(sum(r.get("wall_s", 0) for r in rows), "timed generate() calls")
+                                        "cores_busy", "cpu_s", "busy_threads", "cpus_allowed",
+                                        "total_tok_s_runs")} for r in rows])
+    summary.took(sum(r.get("wall_s", 0) * len(r.get("total_tok_s_runs") or [0]) for r in rows),
+                 "timed generate() calls")
     return summary.write(out_dir)

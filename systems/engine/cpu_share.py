@@ -5,14 +5,15 @@ a core busy, the engine thread that shares that core gets half of it, or is desc
 the middle of its share of the work, and every region waits for it: measured on a 2-core host beside one busy-loop,
 two threads ran a 6000-row GEMM no faster than one and the prompt-attention kernel 1.5x slower. So the engine
 counts, over the last half second, the CPU time the other processes spent on the cores it may use, and runs on the
-cores that are left (never fewer than one, never more than configured). Tokens do not depend on the thread count:
-every kernel's result per row is fixed whatever the split, so adapting changes speed only.
+cores that are left (never fewer than one, never more than configured). In batch-invariant mode (what accuracy
+runs use) tokens do not depend on the thread count, so there adapting changes speed only.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from pathlib import Path
 
 import torch
@@ -39,7 +40,9 @@ def _busy_seconds(cpus: list[int]) -> float | None:
 
 
 class ThreadGovernor:
-    """Sets torch's thread count before each engine step from what the rest of the machine uses."""
+    """Sets torch's thread count before each engine step from what the rest of the machine used in the last
+    interval_s. A daemon thread samples /proc/stat every interval_s / 2, so the estimate is fresh at the first step
+    after an idle gap (a stale window spanning the gap would dilute a load that began during it)."""
 
     def __init__(self, max_threads: int, enabled: bool = True, interval_s: float = 0.5):
         self.max_threads = max_threads
@@ -48,18 +51,28 @@ class ThreadGovernor:
         self.steps_at: Counter[int] = Counter()
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self.enabled = enabled and max_threads > 1 and _busy_seconds(self.cpus) is not None
-        self._mark = self._sample() if self.enabled else None
-
-    @staticmethod
-    def _now() -> float:
-        return time.monotonic()
+        self.others = 0.0                # cores' worth the other processes used in the last interval
+        self._stop = threading.Event()
+        if self.enabled:
+            threading.Thread(target=self._watch, name="kvharness-cpu-share", daemon=True).start()
 
     def _sample(self) -> tuple[float, float, float] | None:
         busy = _busy_seconds(self.cpus)
-        return None if busy is None else (self._now(), busy, time.process_time())
+        return None if busy is None else (time.monotonic(), busy, time.process_time())
 
-    def others_cores(self, before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
-        """Cores' worth of CPU the other processes used on our cores between two samples."""
+    def _watch(self) -> None:
+        window: deque[tuple[float, float, float]] = deque(maxlen=3)
+        while not self._stop.wait(self.interval_s / 2):
+            now = self._sample()
+            if now is None:
+                continue
+            window.append(now)
+            if len(window) == window.maxlen:
+                self.others = self.others_cores(window[0], now)
+
+    @staticmethod
+    def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+        """Cores' worth of CPU the other processes used on our cores between two (wall, busy, own CPU) samples."""
         wall = after[0] - before[0]
         return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall if wall > 0 else 0.0
 
@@ -68,22 +81,18 @@ class ThreadGovernor:
         return max(1, min(self.max_threads, int(free + 0.5)))
 
     def update(self) -> int:
-        """The thread count for the next step (re-measured at most every interval_s)."""
-        if self.enabled and self._mark is not None and self._now() - self._mark[0] >= self.interval_s:
-            now = self._sample()
-            if now is not None:
-                want = self.threads_for(self.others_cores(self._mark, now))
-                if want != self.current:
-                    torch.set_num_threads(want)
-                    self.current = want
-                self._mark = now
+        """The thread count for the next step."""
+        if self.enabled:
+            want = self.threads_for(self.others)
+            if want != self.current:
+                torch.set_num_threads(want)
+                self.current = want
         self.steps_at[self.current] += 1
         return self.current
 
-    def restore(self) -> None:
-        """Back to the configured count (after a run: the next one starts from the full count)."""
+    def stop(self) -> None:
+        """Stop watching and go back to the configured count (torch's thread count is process-wide)."""
+        self._stop.set()
         if self.current != self.max_threads:
             torch.set_num_threads(self.max_threads)
             self.current = self.max_threads
-        if self.enabled:
-            self._mark = self._sample()

@@ -81,5 +81,5 @@ class EngineSystem:
     def close(self) -> None:
         """Free the model and the KV pools; the system cannot generate afterwards."""
         if "engine" in self.__dict__:
-            self.engine.threads.restore()    # torch's thread count is process-wide: leave it as configured
+            self.engine.threads.stop()       # torch's thread count is process-wide: leave it as configured
         self.__dict__.pop("engine", None)
