@@ -31,8 +31,6 @@ class Engine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.threads)
-        cpu = self.device.type == "cpu"
-        self.threads = ThreadGovernor(torch.get_num_threads() if cpu else 1, enabled=cpu and cfg.adapt_threads)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = LlamaModel(model_dir, self.dtype, self.device)
         spec = self.model.spec
@@ -56,6 +54,9 @@ class Engine:
         self._order = 0
         self.minmax_peak_bytes = 0
         self.steps = {"prefill": 0, "decode": 0}
+        # last: a failed __init__ leaves no watcher thread behind
+        self.threads = ThreadGovernor(cfg.threads or torch.get_num_threads(),
+                                      enabled=self.device.type == "cpu" and cfg.adapt_threads)
 
     def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         total = len(request.prompt_token_ids) + request.max_new_tokens
@@ -83,7 +84,8 @@ class Engine:
             if nxt is not None and not self.scheduler.running:
                 time.sleep(min(max(nxt - now, 0.0), 0.05))
             return []
-        self.threads.update()
+        if self.device.type == "cpu":
+            self.threads.update()
         logits = self.runner.run_step(work.decodes, work.chunks)
         for seq, _, end in work.chunks:
             seq.num_computed = end
@@ -159,6 +161,10 @@ class Engine:
         else:
             self.scheduler.finish(seq)
         seq.finish_reason = "abort"
+
+    def close(self) -> None:
+        """Stop adapting the thread count and restore the configured one (the engine can still generate)."""
+        self.threads.stop()
 
     def run(self) -> None:
         while self.scheduler.has_work():

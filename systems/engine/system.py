@@ -65,7 +65,8 @@ class EngineSystem:
                    "page_size": kv.page_size, "bytes_per_block": kv.bytes_per_block,
                    "preemptions": self.engine.scheduler.num_preemptions,
                    "prefill_steps": self.engine.steps["prefill"], "decode_steps": self.engine.steps["decode"],
-                   "steps_by_threads": {str(k): v for k, v in sorted(self.engine.threads.steps_at.items())},
+                   **({"steps_by_threads": {str(k): v for k, v in sorted(self.engine.threads.steps_at.items())}}
+                      if self.engine.threads.steps_at else {}),
                    "dtype": str(self.engine.dtype).replace("torch.", "")})
 
     def reset_stats(self) -> None:
@@ -81,5 +82,5 @@ class EngineSystem:
     def close(self) -> None:
         """Free the model and the KV pools; the system cannot generate afterwards."""
         if "engine" in self.__dict__:
-            self.engine.threads.stop()       # torch's thread count is process-wide: leave it as configured
+            self.engine.close()              # torch's thread count is process-wide: leave it as configured
         self.__dict__.pop("engine", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import threading
 import warnings
@@ -85,10 +86,17 @@ def _build() -> bool:
 
 
 def toolchain() -> bool:
-    """Whether this machine can build the kernels (a C++ compiler, and KVHARNESS_CPU_KERNELS not 0): where it can,
-    a failed build is a bug, not a reason to fall back quietly."""
-    compiler = shutil.which(os.environ.get("CXX", "c++"))
-    return os.environ.get("KVHARNESS_CPU_KERNELS", "1") != "0" and compiler is not None
+    """Whether this machine can build the kernels (a C++ compiler and ninja, and KVHARNESS_CPU_KERNELS not 0):
+    where it can, a failed build is a bug, not a reason to fall back quietly."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    return os.environ.get("KVHARNESS_CPU_KERNELS", "1") != "0" and compiler() is not None and is_ninja_available()
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder runs ($CXX, else c++), or None where there is none."""
+    words = shlex.split(os.environ.get("CXX", "c++"))       # "ccache g++" names its compiler second
+    return next((found for w in words if Path(w).name != "ccache" and (found := shutil.which(w))), None)
 
 
 def available() -> bool:
