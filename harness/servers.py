@@ -66,8 +66,6 @@ def start_engine_server(cell, model_dir: Path, cfg: DictConfig, p, log_dir: Path
         cmd += ["--threads", str(eng.threads)]
     if not eng.chunked_prefill:
         cmd += ["--no-chunked-prefill"]
-    if not eng.adapt_threads:
-        cmd += ["--no-adapt-threads"]
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / "server.log"
     with open(log, "wb") as sink:

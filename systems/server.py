@@ -276,8 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
         p.add_argument(f"--{flag}", type=kind, help="engine setting (default: the engine's)")
-    p.add_argument("--no-adapt-threads", action="store_true",
-                   help="keep --threads even while other processes hold cores (default: drop to the free ones)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole in its own step instead of in chunks beside the decodes")
     return p
@@ -315,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         ("page_size", args.page_size), ("device_memory_gb", args.device_memory_gb),
         ("host_memory_gb", args.host_memory_gb), ("max_num_seqs", args.max_num_seqs),
         ("max_num_batched_tokens", args.max_num_batched_tokens), ("threads", args.threads),
-        ("chunked_prefill", False if args.no_chunked_prefill else None),
-        ("adapt_threads", False if args.no_adapt_threads else None)) if v is not None})
+        ("chunked_prefill", False if args.no_chunked_prefill else None)) if v is not None})
     name = args.served_model_name or Path(args.model).resolve().name
     system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype,
                           name=f"engine-{args.policy}", max_model_len=args.max_model_len)

@@ -36,8 +36,7 @@ def _prompts() -> list[list[int]]:
 
 def _engine(path, dtype: str, threads: int) -> Engine:
     cfg = SimpleNamespace(page_size=16, device_memory_gb=0.25, host_memory_gb=0.01, max_num_seqs=16,
-                          max_num_batched_tokens=1024, threads=threads, batch_invariant=True,
-                          adapt_threads=False)     # the thread count under test, even on a busy machine
+                          max_num_batched_tokens=1024, threads=threads, batch_invariant=True)
     return Engine(str(path), load_policy("dense", {}), cfg, dtype=dtype)
 
 

@@ -32,13 +32,12 @@ from systems.hardware import allowed_cpus, cpu_list_text
 @dataclass
 class Params(GridParams):
     threads: list[int] = field(default_factory=lambda: [1, 0])       # 0 = every core this run may use
-    background: list[int] = field(default_factory=lambda: [0, 1])     # CPU-burning processes beside the run
+    background: list[int] = field(default_factory=lambda: [0, 1, 2])  # CPU-burning processes beside the run
     num_requests: int = 4
     input_len: int = 1500
     output_len: int = 32
     repeats: int = 3              # timed generate() calls per point; the median one is reported, all are kept
     settle_s: float = 2.0         # the burners run this long before timing: the host is busy when requests come
-    fixed_threads: bool = True    # the engine at every core also with adapt_threads off: what adapting avoids
 
 
 def _burn(stop_at: float) -> None:
@@ -46,34 +45,27 @@ def _burn(stop_at: float) -> None:
         pass
 
 
-def with_threads(system: DictConfig, threads: int, adapt: bool = True) -> DictConfig:
-    """The system on its first `threads` allowed cores (engine: torch threads, adapting to other processes' load
-    or not; vLLM: its worker's bind list)."""
+def with_threads(system: DictConfig, threads: int) -> DictConfig:
+    """The system on its first `threads` allowed cores (engine: torch threads; vLLM: its worker's bind list)."""
     out = copy.deepcopy(system)
     cores = allowed_cpus()[:threads]
     if out.backend == "vllm":
         out.omp_threads_bind = cpu_list_text(cores)
     else:
         out.engine.threads = len(cores)
-        out.engine.adapt_threads = adapt
     return out
 
 
-def points(cells: list[GridCell], p: Params) -> list[tuple[DictConfig, int, int, str, bool | None]]:
-    """(system, threads, burners, cell key, adapts) per measurement; adapts is None for vLLM."""
+def points(cells: list[GridCell], p: Params) -> list[tuple[DictConfig, int, int, str]]:
+    """(system, threads, burners, cell key) per measurement."""
     n_cores = len(allowed_cpus())
     out = []
     for cell in {c.system.name: c for c in cells}.values():
-        engine = cell.system.backend != "vllm"
         for t in p.threads:
             threads = t or n_cores
-            variants = [True, False] if engine and p.fixed_threads and threads > 1 else [True]
             for bg in p.background:
-                for adapt in variants:
-                    key = (f"{cell.system.name}__t{threads}{'' if adapt else '_fixed'}_bg{bg}__n{p.num_requests}"
-                           f"_in{p.input_len}_out{p.output_len}")
-                    out.append((with_threads(cell.system, threads, adapt), threads, bg, key,
-                                adapt if engine else None))
+                key = f"{cell.system.name}__t{threads}_bg{bg}__n{p.num_requests}_in{p.input_len}_out{p.output_len}"
+                out.append((with_threads(cell.system, threads), threads, bg, key))
     return out
 
 
@@ -88,8 +80,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
     progress = RunProgress(len(todo), len(todo) * p.num_requests, enabled=cfg.progress)
     results = []
     try:
-        for system, threads, bg, key, adapt in todo:
-            def work(store, system=system, threads=threads, bg=bg, adapt=adapt) -> dict:
+        for system, threads, bg, key in todo:
+            def work(store, system=system, threads=threads, bg=bg) -> dict:
                 reqs = build_requests(ws.tokenizer, p.num_requests, p.input_len, p.output_len, cfg.seed)
                 sut = ws.system(system)
                 sut.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
@@ -103,13 +95,13 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
                     runs = [measure(sut, reqs, exclude=frozenset(b.pid for b in burners if b.pid))
                             for _ in range(p.repeats)]
                     median = sorted(runs, key=lambda m: m["total_tok_s"])[(len(runs) - 1) // 2]
-                    return {"system": system.name, "threads": threads, "background": bg, "adapts": adapt, **median,
+                    return {"system": system.name, "threads": threads, "background": bg, **median,
                             "total_tok_s_runs": [m["total_tok_s"] for m in runs]}
                 finally:
                     for b in burners:
                         b.kill()
                         b.join()
-            label = f"{system.name} × {threads} thread(s){' fixed' if adapt is False else ''}, {bg} burner(s)"
+            label = f"{system.name} × {threads} thread(s), {bg} burner(s)"
             results.append(run_cell(cfg, key, cell_config(cfg, system=system, background=bg), out_dir, work,
                                     progress, label, p.num_requests))
     finally:
@@ -121,7 +113,7 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
 
 def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
     p = params_lib.parse(cfg, Params)
-    rows = [m for *_, key, _ in points(cells, p) if (m := stored_metrics(out_dir, key))]
+    rows = [m for *_, key in points(cells, p) if (m := stored_metrics(out_dir, key))]
     paths = write_summary(cfg, p, rows, out_dir)
     print_paths(paths)
     return paths
@@ -131,14 +123,6 @@ def _runs(row: dict) -> str:
     return "/".join(f"{x:.0f}" for x in row.get("total_tok_s_runs") or [row["total_tok_s"]])
 
 
-def _steps_by_threads(row: dict) -> str:
-    counts = (row.get("memory") or {}).get("extra", {}).get("steps_by_threads") or {}
-    return ", ".join(f"{n}: {counts[n]}" for n in sorted(counts, key=int, reverse=True)) or "–"
-
-
-def _label(row: dict) -> str:
-    adapts = row.get("adapts")
-    return f"{row['threads']} threads" + ("" if adapts is None else " adapting" if adapts else " fixed")
 
 
 def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, str]:
@@ -148,31 +132,24 @@ def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, 
         for bg in sorted({r["background"] for r in rows}):
             runs = sorted((r for r in rows if r["system"] == system and r["background"] == bg),
                           key=lambda r: r["threads"])
-            few = runs[0] if runs else None
-            for many in runs[1:]:
-                if many["threads"] == few["threads"]:
-                    continue
-                used = _steps_by_threads(many)
-                verdicts.append(f"`{system}` with {bg} burner(s): {_label(many)} "
+            if len(runs) > 1:
+                few, many = runs[0], runs[-1]
+                verdicts.append(f"`{system}` with {bg} burner(s): {many['threads']} threads "
                                 f"{many['total_tok_s'] / few['total_tok_s']:.2f}× the tok/s of {few['threads']} "
                                 f"({many['total_tok_s']:.0f} vs {few['total_tok_s']:.0f}; runs {_runs(many)} vs "
-                                f"{_runs(few)}" + ("" if used == "–" else f"; steps by thread count {used}") + ")")
+                                f"{_runs(few)})")
     summary.glance(f"more threads vs fewer, per system and background load (median of {p.repeats} timed runs each; "
-                   "> 1 = more threads faster; a ratio between runs that used the same thread count is noise):",
-                   verdicts)
-    summary.table(["system", "threads", "adapts", "burners", "total tok/s", "output tok/s", "wall s", "cores busy",
-                   "busy threads", "CPUs", "steps by thread count"],
-                  [[r["system"], r["threads"], {True: "yes", False: "no", None: "–"}[r.get("adapts")],
-                    r["background"], r["total_tok_s"], r["output_tok_s"], r["wall_s"], r.get("cores_busy"),
-                    r.get("busy_threads"), r.get("cpus_allowed"), _steps_by_threads(r)] for r in rows], 2)
+                   "> 1 = more threads faster):", verdicts)
+    summary.table(["system", "threads", "burners", "total tok/s", "output tok/s", "wall s", "cores busy",
+                   "busy threads", "CPUs"],
+                  [[r["system"], r["threads"], r["background"], r["total_tok_s"], r["output_tok_s"], r["wall_s"],
+                    r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed")] for r in rows], 2)
     summary.text(f"{p.num_requests} requests × ({p.input_len} + {p.output_len} tokens, EOS ignored), timed as "
                  f"offline_throughput times them, {p.repeats} times per row (the row is the median run). A burner is "
                  f"a busy-looping process started after the warm-up, {p.settle_s:g} s before the first timed run, and "
                  "killed after the last; cores busy counts only the system's own processes (CPU seconds ÷ wall), "
-                 "read from /proc. An adapting engine drops threads while other processes hold cores "
-                 "(`engine.adapt_threads`: their load over the last 0.5 s, from /proc/stat); a fixed one keeps "
-                 "`threads`. Steps by thread count says how many engine steps ran at each count.")
-    summary.csv([{k: r.get(k) for k in ("system", "threads", "adapts", "background", "total_tok_s", "output_tok_s",
+                 "read from /proc.")
+    summary.csv([{k: r.get(k) for k in ("system", "threads", "background", "total_tok_s", "output_tok_s",
                                         "wall_s", "cores_busy", "cpu_s", "busy_threads", "cpus_allowed",
                                         "total_tok_s_runs")} for r in rows])
     summary.took(sum(r.get("wall_s", 0) * len(r.get("total_tok_s_runs") or [0]) for r in rows),

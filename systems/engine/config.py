@@ -25,7 +25,6 @@ class EngineConfig:
     max_num_seqs: int = 16               # sequences decoded together
     max_num_batched_tokens: int = 8192   # prompt tokens packed into one prefill step
     threads: Optional[int] = None        # torch CPU threads; null = torch's setting (one per core by default)
-    adapt_threads: bool = True           # fewer threads while other processes hold cores (cpu_share)
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
     chunked_prefill: bool = True         # decodes share each step with prompt chunks (off in batch-invariant mode)
 
@@ -65,7 +64,7 @@ class EngineConfig:
         if self.chunked_prefill and self.max_num_batched_tokens <= self.max_num_seqs:
             raise ValueError(f"system.engine.max_num_batched_tokens={self.max_num_batched_tokens} leaves no room for "
                              f"prompt chunks beside {self.max_num_seqs} decodes; raise it above max_num_seqs")
-        for key in ("batch_invariant", "chunked_prefill", "adapt_threads"):
+        for key in ("batch_invariant", "chunked_prefill"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"system.engine.{key} must be true or false, got {getattr(self, key)!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):

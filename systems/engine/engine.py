@@ -9,7 +9,6 @@ import torch
 
 from systems.base import GenerationRequest, cut_at_stop
 from systems.engine.config import EngineConfig
-from systems.engine.cpu_share import ThreadGovernor
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
@@ -54,9 +53,6 @@ class Engine:
         self._order = 0
         self.minmax_peak_bytes = 0
         self.steps = {"prefill": 0, "decode": 0}
-        # last: a failed __init__ leaves no watcher thread behind
-        self.threads = ThreadGovernor(cfg.threads or torch.get_num_threads(),
-                                      enabled=self.device.type == "cpu" and cfg.adapt_threads)
 
     def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         total = len(request.prompt_token_ids) + request.max_new_tokens
@@ -84,8 +80,6 @@ class Engine:
             if nxt is not None and not self.scheduler.running:
                 time.sleep(min(max(nxt - now, 0.0), 0.05))
             return []
-        if self.device.type == "cpu":
-            self.threads.update()
         logits = self.runner.run_step(work.decodes, work.chunks)
         for seq, _, end in work.chunks:
             seq.num_computed = end
@@ -161,10 +155,6 @@ class Engine:
         else:
             self.scheduler.finish(seq)
         seq.finish_reason = "abort"
-
-    def close(self) -> None:
-        """Stop adapting the thread count and restore the configured one (the engine can still generate)."""
-        self.threads.stop()
 
     def run(self) -> None:
         while self.scheduler.has_work():

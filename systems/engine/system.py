@@ -65,8 +65,6 @@ class EngineSystem:
                    "page_size": kv.page_size, "bytes_per_block": kv.bytes_per_block,
                    "preemptions": self.engine.scheduler.num_preemptions,
                    "prefill_steps": self.engine.steps["prefill"], "decode_steps": self.engine.steps["decode"],
-                   **({"steps_by_threads": {str(k): v for k, v in sorted(self.engine.threads.steps_at.items())}}
-                      if self.engine.threads.steps_at else {}),
                    "dtype": str(self.engine.dtype).replace("torch.", "")})
 
     def reset_stats(self) -> None:
@@ -77,10 +75,7 @@ class EngineSystem:
         self.engine.minmax_peak_bytes = 0
         self.engine.scheduler.num_preemptions = 0
         self.engine.steps = {"prefill": 0, "decode": 0}
-        self.engine.threads.steps_at.clear()
 
     def close(self) -> None:
         """Free the model and the KV pools; the system cannot generate afterwards."""
-        if "engine" in self.__dict__:
-            self.engine.close()              # torch's thread count is process-wide: leave it as configured
         self.__dict__.pop("engine", None)
