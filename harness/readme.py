@@ -92,6 +92,11 @@ def results_block(root: Path = ROOT) -> str:
         if pngs:
             parts.append(pngs)
         parts.append(f"Regenerate: `{_regenerate(lines, name)}`")
+    pending = sorted(c.stem for c in (root / "conf" / "exp").glob("*.yaml")
+                     if not c.stem.endswith("_paper") and c.stem != "quickstart" and c.stem not in names)
+    if pending:
+        parts.append("Not committed yet (their runs are in progress; a summary appears here when one lands): "
+                     + ", ".join(f"`{n}`" for n in pending) + ".")
     return "\n\n".join(p for p in parts if p)
 
 
