@@ -69,6 +69,18 @@ def test_blocks_quote_glance_links_images_and_command(tmp_path):
     assert readme.render(out, root) == out
 
 
+def test_experiments_without_a_committed_run_are_named(tmp_path):
+    root = _tree(tmp_path)
+    for name in ("ruler", "ruler_paper", "quickstart"):
+        (root / "conf" / "exp" / f"{name}.yaml").write_text("# @package _global_\n# A thing.\nexp: {}\n")
+    res = readme.results_block(root)
+    assert res.endswith("Not committed yet (their runs are in progress; a summary appears here when one lands): "
+                        "`ruler`.")
+    (root / "results" / "ruler").mkdir()
+    (root / "results" / "ruler" / "summary.md").write_text("# ruler\n\n**At a glance:** ok.\n")
+    assert "Not committed yet" not in readme.results_block(root)
+
+
 def test_missing_marker_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="add the two marker lines"):
         readme.render("no markers here\n", _tree(tmp_path))

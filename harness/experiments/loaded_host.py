@@ -123,8 +123,6 @@ def _runs(row: dict) -> str:
     return "/".join(f"{x:.0f}" for x in row.get("total_tok_s_runs") or [row["total_tok_s"]])
 
 
-
-
 def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, str]:
     summary = Summary(cfg, f"{cfg.exp.name}: throughput on an idle and on a busy host", envs=cell_envs(rows))
     verdicts = []
