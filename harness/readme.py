@@ -95,7 +95,7 @@ def results_block(root: Path = ROOT) -> str:
     pending = sorted(c.stem for c in (root / "conf" / "exp").glob("*.yaml")
                      if not c.stem.endswith("_paper") and c.stem != "quickstart" and c.stem not in names)
     if pending:
-        parts.append("Not committed yet (their runs are in progress; a summary appears here when one lands): "
+        parts.append("No summary committed yet (a run of each is pending; its summary appears here when it lands): "
                      + ", ".join(f"`{n}`" for n in pending) + ".")
     return "\n\n".join(p for p in parts if p)
 

@@ -74,11 +74,11 @@ def test_experiments_without_a_committed_run_are_named(tmp_path):
     for name in ("ruler", "ruler_paper", "quickstart"):
         (root / "conf" / "exp" / f"{name}.yaml").write_text("# @package _global_\n# A thing.\nexp: {}\n")
     res = readme.results_block(root)
-    assert res.endswith("Not committed yet (their runs are in progress; a summary appears here when one lands): "
+    assert res.endswith("No summary committed yet (a run of each is pending; its summary appears here when it lands): "
                         "`ruler`.")
     (root / "results" / "ruler").mkdir()
     (root / "results" / "ruler" / "summary.md").write_text("# ruler\n\n**At a glance:** ok.\n")
-    assert "Not committed yet" not in readme.results_block(root)
+    assert "No summary committed yet" not in readme.results_block(root)
 
 
 def test_missing_marker_names_the_fix(tmp_path):
