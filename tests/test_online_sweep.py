@@ -102,13 +102,19 @@ def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_pat
 def test_focus_line_states_the_tpot_ratio_at_the_highest_sustained_rate_or_says_none_is():
     from harness.experiments.online_sweep import focus_line
 
-    def row(system, rate, tpot, throughput):
+    def row(system, rate, tpot, duration, e2el=20_000.0):
         return {"system": system, "request_rate": rate, "mean_tpot_ms": tpot, "completed": 16, "num_prompts": 16,
-                "request_throughput": throughput}
-    rows = [row("dense", 0.1, 150.0, 0.1), row("dense", 0.2, 300.0, 0.12), row("flexi", 0.1, 100.0, 0.1),
-            row("flexi", 0.2, 120.0, 0.2), row("vllm", 0.1, 75.0, 0.1), row("vllm", 0.2, 90.0, 0.2)]
+                "duration": duration, "mean_e2el_ms": e2el}
+    # 16 requests at 0.1 req/s: the last arrives at 160 s; with 20 s of service a queue-free run ends at 180 s
+    rows = [row("dense", 0.1, 150.0, 185.0), row("dense", 0.2, 300.0, 150.0), row("flexi", 0.1, 100.0, 182.0),
+            row("flexi", 0.2, 120.0, 105.0), row("vllm", 0.1, 75.0, 181.0), row("vllm", 0.2, 90.0, 104.0)]
     line = focus_line(rows, "flexi", ["dense", "vllm"])
     assert line.startswith("at 0.1 req/s, the highest rate `dense` sustains") and "1.50× lower than `dense`'s" in line
     assert "0.75× lower than `vllm`'s" in line
-    none = focus_line([{**r, "request_throughput": 0.05} for r in rows], "flexi", ["dense", "vllm"])
+    # completed / duration < 0.9 x rate here (16 / 185 s = 0.086 < 0.09), yet the 0.1 run ended on time
+    assert 16 / 185.0 < 0.9 * 0.1
+    none = focus_line([{**r, "duration": 400.0} for r in rows], "flexi", ["dense", "vllm"])
     assert "`dense` sustains none of the rates" in none and "at the lowest, 0.1 req/s" in none and "1.50×" in none
+    failed = focus_line([{**r, "completed": 15} if r["system"] == "dense" else r for r in rows], "flexi",
+                        ["dense", "vllm"])
+    assert "`dense` sustains none" in failed
