@@ -153,15 +153,19 @@ def run_cell(cfg: DictConfig, cell: GridCell, out_dir: Path, ws: Workspace, prog
             t1 = time.perf_counter()
             fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
                                       completions) if plan else [{} for _ in chunk])
+            t2 = time.perf_counter()
             gen_seconds += t1 - t0
-            fid_seconds += time.perf_counter() - t1
+            fid_seconds += t2 - t1
+            # each row carries its share of the chunk's time, so a cell resumed after a crash or the end of a
+            # session still states what all of its samples cost
+            share = {"generation_s": (t1 - t0) / len(chunk), "fidelity_s": (t2 - t1) / len(chunk)}
             rows = []
             for (s, _), c, f in zip(chunk, completions, fid):
                 scores = task.score(s, c.text)
                 rows.append({"id": s.id, "prediction": c.text, **scores, "meta": s.meta,
                              "answers": list(s.answers), "prompt_tokens": c.prompt_tokens,
                              "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
-                             "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **f})
+                             "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **share, **f})
             store.append(rows)
             progress.advance(len(rows))
         memory = system.memory_report().as_dict()
@@ -170,10 +174,13 @@ def run_cell(cfg: DictConfig, cell: GridCell, out_dir: Path, ws: Workspace, prog
     order = {s.id: i for i, s in enumerate(samples)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     previous = store.metrics() if (store.root / "metrics.json").is_file() else {}
+    timed = all("generation_s" in r for r in rows)  # rows stored before rows carried their time do not
     metrics = {"system": cell.system.name, "task": cell.task.name, "summary": task.summarize(rows),
                "n": len(rows), "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in rows),
-               "generation_seconds": previous.get("generation_seconds", 0.0) + gen_seconds,
-               "fidelity_seconds": previous.get("fidelity_seconds", 0.0) + fid_seconds,
+               "generation_seconds": sum(r["generation_s"] for r in rows) if timed
+               else previous.get("generation_seconds", 0.0) + gen_seconds,
+               "fidelity_seconds": sum(r.get("fidelity_s", 0.0) for r in rows) if timed
+               else previous.get("fidelity_seconds", 0.0) + fid_seconds,
                "memory": memory or previous.get("memory")}
     store.write_metrics(metrics)
     return metrics

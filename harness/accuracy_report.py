@@ -330,6 +330,11 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
             title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
 
 
+def cells_seconds(metrics: list[dict]) -> float:
+    """Wall seconds the cells spent generating and teacher-forcing, all sessions together."""
+    return sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics)
+
+
 def write_cells_summary(cfg, p, cells, labels, metrics: list[dict], rows_by_cell: dict[str, list[dict]],
                         out_dir) -> dict:
     """The `accuracy` kind: any grid of cells, with retention and fidelity against a reference when there is one."""
@@ -350,5 +355,5 @@ def write_cells_summary(cfg, p, cells, labels, metrics: list[dict], rows_by_cell
         if grid:
             summary.section(f"{m['system']} × {m['task']}: score by context length (tokens) × needle depth (%)")
             summary.text(grid)
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics))
+    summary.took(cells_seconds(metrics))
     return summary.write(out_dir)

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -52,6 +54,12 @@ def test_sigkill_then_resume_equals_clean_run(tiny_llama_dir, tmp_path):
         r["id"] for r in ref_rows)
     assert len({r["id"] for r in rows}) == len(rows)  # no duplicates
     key = lambda r: r["id"]  # noqa: E731
-    strip = lambda r: {k: v for k, v in r.items() if k not in ("ttft_s", "tpot_s")}  # noqa: E731
+    timings = ("ttft_s", "tpot_s", "generation_s", "fidelity_s")
+    strip = lambda r: {k: v for k, v in r.items() if k not in timings}  # noqa: E731
     assert [strip(r) for r in sorted(rows, key=key)] == [strip(r) for r in sorted(ref_rows, key=key)]
     assert _table(crashed) == _table(clean)
+    # the cost counts the samples of the killed runs too, not only those of the last one
+    (cell,) = [p for p in (crashed / "crash").iterdir() if p.is_dir()]
+    metrics = json.loads((cell / "metrics.json").read_text())
+    assert all(r["generation_s"] > 0 for r in rows)
+    assert metrics["generation_seconds"] == pytest.approx(sum(r["generation_s"] for r in rows))

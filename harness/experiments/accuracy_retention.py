@@ -92,6 +92,6 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     summary.text("Macro retention = mean over task units of each unit's retention (FlexiCache's average); ratio of "
                  "means = mean score ÷ mean reference score (CAKE's). Same samples, prompts and greedy decoding for "
                  "every system; engine systems decode batch-invariantly.")
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+    summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

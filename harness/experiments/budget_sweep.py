@@ -128,6 +128,6 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                  for pol in policies for b, label in at[pol].items()]
                 + [{"system": reference, "budget": None, "task": "MEAN", **ref.as_dict("score_")}])
     accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False)
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+    summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

@@ -164,6 +164,6 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
     summary.csv([{**{k: pt.get(k) for k in ("study", "budget", "allocation", "indicator", "tau1", "tau2")},
                   "system": pt["label"], "task": "POINT", **retention_columns(report.retention(pt["label"]))}
                  for pt in points])
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+    summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

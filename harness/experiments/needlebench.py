@@ -129,6 +129,6 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                 ylabel="context length (tokens)", colorbar="score (0–100)",
                 title=f"NeedleBench {LABELS[mode]} by length × depth (n per cell "
                       f"{min(counts.values())}–{max(counts.values())})"), f"heatmap {mode}")
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+    summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

@@ -146,6 +146,6 @@ def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Pat
                   "tok_s_ratio": t["tok_s_ratio"], "kv_ratio": t["kv_ratio"], "mode": t["mode"],
                   "cores_busy": t.get("cores_busy"), "busy_threads": t.get("busy_threads"),
                   "cpus_allowed": t.get("cpus_allowed")} for t in tput])
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in acc)
+    summary.took(accuracy_report.cells_seconds(acc)
                  + sum(t.get("wall_s", 0) for t in tput), "accuracy cells + timed throughput")
     return summary.write(out_dir)

@@ -136,6 +136,6 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
             errors={s: [(L, ratio[s][L].low, ratio[s][L].high) for L in lengths] for s in others}, logx=True,
             hline=1.0), "retention vs length")
     accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False)
-    summary.took(sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics),
+    summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
