@@ -4,8 +4,8 @@ Every accuracy experiment reports through `AccuracyData` (one object per summary
 a 95 % bootstrap interval (harness.uncertainty) and two systems are ranked only where the paired interval of their
 difference excludes 0. Definitions:
 
-- task unit: a task, or one dataset of a multi-dataset task (rows with several `meta.unit` / `meta.dataset` /
-  `meta.task` values); averages give every unit the same weight, as the papers do.
+- task unit: a task, or each part its benchmark reports one number for (the task's `unit_key`: LongBench's
+  datasets, L-Eval's tasks, RULER's lengths); averages give every unit the same weight, as the papers do.
 - score: the mean of per-sample scores (0–100).
 - retention: (policy − chance) ÷ (reference − chance) on the samples both ran, with `meta.chance_score` the score a
   content-free answer gets (recall: ROUGE-L of a random paragraph; 0 where absent). A unit whose reference score is
@@ -24,10 +24,10 @@ from typing import Any
 
 from harness import uncertainty as unc
 from harness.uncertainty import Estimate
+from tasks.base import task_class
 
 MIN_REFERENCE = 5.0
 FIDELITY = {"fid_top1": "top-1 agreement", "fid_kl": "KL(ref ‖ policy) nats"}
-UNIT_KEYS = ("unit", "dataset", "task")
 
 
 def reference_label(cfg, labels: Sequence[str]) -> str | None:
@@ -38,12 +38,12 @@ def reference_label(cfg, labels: Sequence[str]) -> str | None:
     return "engine-dense" if "engine-dense" in labels else None
 
 
-def unit_names(task: str, rows: Sequence[dict]) -> dict[str, str]:
-    """row id -> task unit: one unit per value of the first meta key in UNIT_KEYS that splits the task."""
-    for key in UNIT_KEYS:
-        values = {(r.get("meta") or {}).get(key) for r in rows}
-        if len(values - {None}) > 1 and None not in values:
-            return {r["id"]: f"{task}/{r['meta'][key]}" for r in rows}
+def unit_names(task: str, rows: Sequence[dict], key: str | None) -> dict[str, str]:
+    """row id -> task unit: one unit per value of the task's unit key (meta), or the whole task when it has one
+    value or the task none."""
+    values = {(r.get("meta") or {}).get(key) for r in rows} if key else set()
+    if len(values - {None}) > 1 and None not in values:
+        return {r["id"]: f"{task}/{r['meta'][key]}" for r in rows}
     return {r["id"]: task for r in rows}
 
 
@@ -61,7 +61,8 @@ class AccuracyData:
         for cell, label in zip(cells, labels):
             rows = rows_by_cell.get(cell.key, [])
             task = task_name(cell) if task_name else cell.task.name
-            units = ({r["id"]: unit_of(task, r) for r in rows} if unit_of else unit_names(task, rows))
+            units = ({r["id"]: unit_of(task, r) for r in rows} if unit_of
+                     else unit_names(task, rows, task_class(cell.task.family).unit_key))
             for row in rows:
                 unit = units[row["id"]]
                 self.rows[(label, unit)][row["id"]] = row

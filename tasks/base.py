@@ -45,6 +45,10 @@ class Task:
     class Params:
         pass
 
+    # the meta key whose values are the parts this benchmark reports one number for (LongBench's datasets); a
+    # report counts each as a task unit. None: the whole task is one unit.
+    unit_key: str | None = None
+
     def __init__(self, name: str, params: Any, seed: int = 0, limit: int | None = None,
                  fraction: float | None = None):
         self.name, self.params, self.seed, self.limit, self.fraction = name, params, seed, limit, fraction
@@ -110,16 +114,21 @@ def _check_types(name: str, schema: type, params: dict) -> None:
             raise TaskError(f"task {name!r}: params.{key} must be a string, got {value!r}")
 
 
-def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | None = None,
-              fraction: float | None = None) -> Task:
-    """Import `tasks.<family>` and build its TASK class; unknown keys fail here, before any work."""
+def task_class(family: str) -> type[Task]:
+    """The TASK class of `tasks.<family>`."""
     try:
         module = importlib.import_module(f"tasks.{family}")
     except ModuleNotFoundError as exc:
         if exc.name != f"tasks.{family}":
             raise
         raise TaskError(f"unknown task family {family!r}: add tasks/{family}.py or fix task.family") from None
-    cls = module.TASK
+    return module.TASK
+
+
+def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | None = None,
+              fraction: float | None = None) -> Task:
+    """Import `tasks.<family>` and build its TASK class; unknown keys fail here, before any work."""
+    cls = task_class(family)
     params = dict(params or {})
     known = {f.name for f in dataclasses.fields(cls.Params)}
     unknown = sorted(set(params) - known)

@@ -152,6 +152,8 @@ def right_truncate(tokenizer, document: str, max_tokens: int, keep_tail: bool) -
 
 
 class LEval(Task):
+    unit_key = "task"
+
     @dataclass
     class Params:
         tasks: list[str] = field(default_factory=lambda: ["closed"])   # names or groups closed/open_f1/...

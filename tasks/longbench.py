@@ -87,6 +87,8 @@ def _mean(values: Sequence[float]) -> float:
 
 
 class LongBench(Task):
+    unit_key = "dataset"
+
     @dataclass
     class Params:
         datasets: list[str] = field(default_factory=lambda: ["en16"])   # names and/or groups en16, all, e13

@@ -76,6 +76,9 @@ def string_match_part(prediction: str, references: Sequence[str]) -> float:
 
 
 class Ruler(Task):
+    # RULER's table reports one number per length: the mean over its tasks
+    unit_key = "length"
+
     @dataclass
     class Params:
         tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC))   # RULER task names
@@ -225,7 +228,7 @@ class Ruler(Task):
         return Sample(
             id=f"{task}-len{length}-{i}", prompt=draft.text, answers=tuple(draft.outputs), max_new_tokens=ttg,
             chat_template=self.params.chat_template, truncation="none", answer_prefix=draft.prefix,
-            meta={"unit": task, "ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
+            meta={"ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
                   "metric": "part" if kind_of(task) == "qa" else "all", "chance_score": 0.0, **draft.info})
 
     # ---- QA data -----------------------------------------------------------------------------------------------

@@ -60,8 +60,9 @@ def test_difference_excludes_zero_only_when_supported():
     assert not unc.difference(noisy, base).excludes(0)
 
 
-def _cells(*pairs):
-    return [SimpleNamespace(key=f"c{i}", task=SimpleNamespace(name=task)) for i, (_, task) in enumerate(pairs)]
+def _cells(*pairs, family="needlebench"):
+    return [SimpleNamespace(key=f"c{i}", task=SimpleNamespace(name=task, family=family))
+            for i, (_, task) in enumerate(pairs)]
 
 
 def test_accuracy_data_units_retention_ranking_and_flags():
@@ -73,7 +74,7 @@ def test_accuracy_data_units_retention_ranking_and_flags():
     def rows(scores, ds=("a", "b")):
         return [{"id": f"s{i}", "score": float(v), "meta": {"dataset": ds[i % 2]}, "fid_top1": float(v > 0)}
                 for i, v in enumerate(scores)]
-    cells = _cells(("dense", "t"), ("strong", "t"), ("weak", "t"), ("dense", "z"))
+    cells = _cells(("dense", "t"), ("strong", "t"), ("weak", "t"), ("dense", "z"), family="longbench")
     by_cell = {"c0": rows(ref), "c1": rows(strong), "c2": rows(weak),
                "c3": [{"id": f"z{i}", "score": 0.0, "meta": {}} for i in range(10)]}
     data = AccuracyData(cells, ["dense", "strong", "weak", "dense"], by_cell)
@@ -98,3 +99,14 @@ def test_ranking_says_indistinguishable_inside_the_noise():
                for i, x in enumerate((ref, a, b))}
     data = AccuracyData(cells, ["dense", "a", "b"], by_cell)
     assert " ≈ " in data.ranking("dense") and " > " not in data.ranking("dense")
+
+
+def test_task_units_follow_what_the_benchmark_reports():
+    """RULER reports one number per length (the mean over its tasks), so its tasks are not separate units."""
+    rows = [{"id": f"{t}-{L}-{i}", "score": 100.0, "meta": {"ruler_task": t, "length": L}}
+            for t in ("niah_single_1", "vt") for L in (1024, 2048) for i in range(3)]
+    data = AccuracyData(_cells(("dense", "ruler"), family="ruler"), ["dense"], {"c0": rows})
+    assert data.units == ["ruler/1024", "ruler/2048"] and data.n("dense", "ruler/1024") == 6
+    one_length = [r for r in rows if r["meta"]["length"] == 1024]
+    data = AccuracyData(_cells(("dense", "ruler"), family="ruler"), ["dense"], {"c0": one_length})
+    assert data.units == ["ruler"]

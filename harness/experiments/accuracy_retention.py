@@ -3,7 +3,8 @@
 Two averages per system, because the two papers differ: FlexiCache reports the macro mean of per-task ratios
 (policy ÷ dense on each task, then the mean), CAKE the ratio of the mean scores. A task whose reference score is
 below `min_reference_score` (0–100) makes its ratio meaningless (0.5 ÷ 0.2 = 2.5×); it is flagged and left out of
-the macro mean, but kept in the tables. Multi-dataset tasks (LongBench, L-Eval) count one unit per dataset.
+the macro mean, but kept in the tables. Multi-part tasks count one unit per part their benchmark reports (LongBench
+and L-Eval per dataset, RULER per length: the mean over its tasks).
 
 exp.params: budget (shared token budget, applied by the runner) or budgets (a list: every policy with a budget runs
 at each, labelled `<system>@<budget>`, beside one run of each budget-free system), reference (system name; default
