@@ -50,11 +50,25 @@ def with_task_params(cfg: DictConfig, cells: list[GridCell], per_task: dict) -> 
     return out
 
 
+def budget_params(system: DictConfig, budget: int) -> dict | str:
+    """The system params a policy maps `budget` onto (those that change), or why the policy cannot run at it (an
+    LServe budget must be a whole number of its 64-token pages, as in the official code)."""
+    policy = policy_class(system.policy)
+    params = OmegaConf.to_container(system.params, resolve=True)
+    mapped = policy.with_budget(params, budget)
+    try:
+        policy.from_params(mapped)
+    except ValueError as exc:
+        return str(exc)
+    return {k: v for k, v in mapped.items() if params.get(k, object()) != v}
+
+
 def by_budget(cfg: DictConfig, cells: list[GridCell], budgets: list | None, shared_budget: int | None
               ) -> tuple[list[GridCell], list[str]]:
     """Cells and their labels: with `budgets`, each cell of a policy that has a budget becomes one cell per budget
     (labelled `<system>@<budget>`, the budget mapped onto the policy's parameters by the policy); budget-free systems
-    (dense, vllm, hf) run once under their own name."""
+    (dense, vllm, hf) run once under their own name. A budget a policy cannot run at is left out of its curve (the
+    summaries say so), not fudged onto a nearby one."""
     if budgets is None:
         return cells, [c.system.name for c in cells]
     if shared_budget is not None:
@@ -68,13 +82,23 @@ def by_budget(cfg: DictConfig, cells: list[GridCell], budgets: list | None, shar
             out.append(cell)
             labels.append(cell.system.name)
             continue
-        for b in budgets:
-            params = OmegaConf.to_container(cell.system.params, resolve=True)
-            changed = {k: v for k, v in policy.with_budget(params, int(b)).items() if params.get(k, object()) != v}
+        points = {int(b): budget_params(cell.system, int(b)) for b in budgets}
+        runnable = {b: changed for b, changed in points.items() if isinstance(changed, dict)}
+        if not runnable:
+            raise UserError(f"{cell.system.name} runs at none of exp.params.budgets={list(budgets)} "
+                            f"({next(iter(points.values()))}): add a budget it accepts or drop it from exp.systems")
+        for b, changed in runnable.items():
             out.append(variant(cell, system_params=changed))
-            labels.append(f"{cell.system.name}@{int(b)}")
+            labels.append(f"{cell.system.name}@{b}")
     validate(cfg, out)
     return out, labels
+
+
+def budgets_left_out(cells: list[GridCell], labels: list[str], budgets: list) -> list[str]:
+    """'<system> at <budget> (why)' for every budget a swept policy could not run at."""
+    first = {label.split("@")[0]: cell for cell, label in zip(cells, labels) if "@" in label}
+    return [f"{name} at {int(b)} ({why})" for name, cell in first.items() for b in budgets
+            if isinstance(why := budget_params(cell.system, int(b)), str)]
 
 
 def budget_label(cell, budgets: list | None) -> str:

@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 
 from harness.runner import CONF_DIR, UserError, resolve_cells, validate
 from harness.schema import register
+from tasks.base import TaskError
 
 ROOT = Path(__file__).resolve().parent.parent
 register()
@@ -96,3 +97,33 @@ def test_cli_error_is_one_line_and_nonzero(tmp_path, arg, needle):
     err = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], err
     assert not any(tmp_path.iterdir())  # the store is untouched
+
+
+@pytest.mark.parametrize("exp", sorted(p.stem for p in (CONF_DIR / "exp").glob("*.yaml")))
+def test_every_experiment_grid_expands_and_validates(exp):
+    """A committed experiment's grid (per-task params, budget sweeps) is valid before anyone spends an hour on it."""
+    import importlib
+
+    from harness import params as params_lib
+    cfg = _compose([f"+exp={exp}"])
+    module = importlib.import_module(f"harness.experiments.{cfg.exp.kind}")
+    if not hasattr(module, "grid"):
+        return
+    try:
+        cells, labels = module.grid(cfg, resolve_cells(cfg), params_lib.parse(cfg, module.Params))
+    except TaskError as exc:  # a hub dataset (RULER's QA at paper scale) fails in one line on a machine without it
+        assert "cannot reach the HF hub" in str(exc)
+        return
+    assert cells and len(labels) == len(cells)
+
+
+def test_a_budget_a_policy_cannot_run_at_is_left_out_and_named():
+    from harness.grid import budgets_left_out, by_budget
+    cfg = _compose(["+exp=budget_sweep", "exp.systems=[dense,quest,lserve]"])
+    cells = resolve_cells(cfg)
+    out, labels = by_budget(cfg, cells, [32, 128], None)
+    assert labels == ["engine-dense", "engine-quest@32", "engine-quest@128", "engine-lserve@128"]
+    (why,) = budgets_left_out(out, labels, [32, 128])
+    assert why.startswith("engine-lserve at 32 (") and "multiple of physical_page=64" in why
+    with pytest.raises(UserError, match="engine-lserve runs at none of"):
+        by_budget(cfg, cells, [32], None)

@@ -82,6 +82,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
                    "at this n.", bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
+    left_out = grid_lib.budgets_left_out(cells, labels, p.budgets) if p.budgets else []
+    if left_out:
+        summary.text("Not run, the policy cannot run at that budget: " + "; ".join(left_out) + ".")
     accuracy_report.standard_sections(summary, data, reference, out_dir)
     stats = policy_stats(cells, rows_by_cell, labels)
     shown = [k for k in POLICY_STATS if any(k in per for per in stats.values())]

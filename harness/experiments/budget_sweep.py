@@ -25,7 +25,7 @@ from harness import accuracy_cells as accuracy
 from harness import accuracy_report, plots
 from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness.grid import budget_label
+from harness.grid import budget_label, budgets_left_out
 from harness.params import AccuracyParams
 from harness.runner import GridCell, UserError
 from harness.summary import Summary, cell_envs
@@ -101,6 +101,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         summary.text("Budgets as a share of the context: " + "; ".join(
             f"{t} ({n} tokens): " + ", ".join(f"{b} = {100 * b / n:.0f} %" for b in budgets)
             for t, n in contexts.items()) + ".")
+    left_out = budgets_left_out(cells, labels, budgets)
+    if left_out:
+        summary.text("Not run, the policy cannot run at that budget: " + "; ".join(left_out) + ".")
     series = {pol: [(b, score[label].value) for b, label in at[pol].items()] for pol in policies}
     errors = {pol: [(b, score[label].low, score[label].high) for b, label in at[pol].items()] for pol in policies}
     panels = [dict(series=series, errors=errors, band=(reference, ref.value, ref.low, ref.high), logx=True,
