@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {
     "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
     "budget_sweep": "score and fidelity vs token budget, one curve per policy (CAKE F5 style)",
-    "retrieval_budgets": "FlexiCache, Quest and LServe-style S-RT retention at budgets 256 / 512 / 1,024",
     "ruler": "RULER's 11 synthetic tasks per context length, dense vs each policy",
     "needlebench": "S-RT / M-RT / M-RS scores and length × depth heatmaps per system (CAKE F6)",
     "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (16 × (4000 in + 256 out))",

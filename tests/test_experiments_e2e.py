@@ -41,20 +41,20 @@ def test_accuracy_retention_end_to_end(tiny_llama_dir, tmp_path):
 
 def test_accuracy_retention_sweeps_budgets(tiny_llama_dir, tmp_path):
     """exp.params.budgets: each policy with a budget runs at every budget (`system@budget`), dense once."""
-    _, md, rows, _ = _run("retrieval_budgets", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]",
-                          "exp.tasks=[needlebench_srt]", "exp.params.budgets=[32,64]",
-                          f"+exp.params.task_params={{{SRT}}}")
+    _, md, rows, _ = _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]",
+                          "exp.tasks=[needlebench_srt]", "exp.params.budget=null", "+exp.params.budgets=[32,64]",
+                          f"exp.params.task_params={{{SRT}}}")
     assert {r["system"] for r in rows} == {"engine-dense", "engine-quest@32", "engine-quest@64"}
     assert "at budgets of 32, 64 tokens" in md
-    cells = sorted(p.name for p in (tmp_path / "retrieval_budgets").iterdir() if p.is_dir())
+    cells = sorted(p.name for p in (tmp_path / "accuracy_retention").iterdir() if p.is_dir())
     assert sum("budget=32" in c for c in cells) == 1 and sum("budget=64" in c for c in cells) == 1
 
 
 def test_budget_and_budgets_together_is_a_one_line_error(tiny_llama_dir, tmp_path):
     from harness.runner import UserError
     with pytest.raises((UserError, SystemExit), match="budget"):
-        _run("retrieval_budgets", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]", "exp.tasks=[needlebench_srt]",
-             "exp.params.budgets=[32]", "+exp.params.budget=64", f"+exp.params.task_params={{{SRT}}}")
+        _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]", "exp.tasks=[needlebench_srt]",
+             "+exp.params.budgets=[32]", "exp.params.budget=64", f"exp.params.task_params={{{SRT}}}")
 
 
 def test_needlebench_end_to_end_all_modes(tiny_llama_dir, tmp_path):
