@@ -87,8 +87,7 @@ class Summary:
     def footer(self) -> list[str]:
         env = self.envs[0] if self.envs else static_env()
         dtype = dtype_name(self.cfg.model.dtype) if self.cfg.get("model") is not None else None
-        commands = sorted({e.get("command_line") for e in self.envs if e.get("command_line")})
-        lines = [f"Regenerate: `{commands[0] if commands else report.command_line(self.cfg)}`."]
+        lines = [f"Regenerate: `{report.regenerate_command(self.cfg, self.envs)}`."]
         if self.cost:
             lines.append(f"Cost: {self.cost} on this machine.")
         lines.append(f"Machine class: {machine_class(env)}" + (f"; model dtype {dtype}." if dtype else "."))

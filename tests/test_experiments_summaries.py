@@ -100,3 +100,21 @@ def test_task_params_must_name_known_tasks():
     typo = OmegaConf.create({"exp": {"params": {"task_params": {"needlebench_sr": {"repeats": 2}}}}})
     with pytest.raises(UserError, match="unknown task"):
         grid_lib.with_task_params(typo, [cell], {"needlebench_sr": {"repeats": 2}})
+
+
+def test_regenerate_line_merges_reruns_of_a_subset_and_made_by_names_every_command():
+    from harness import report
+    cfg = OmegaConf.create({"exp": {"name": "accuracy_retention", "systems": ["dense", "quest", "cake"]}})
+    full = "python -m harness +exp=accuracy_retention progress=false"
+    rerun = "python -m harness +exp=accuracy_retention exp.systems=[dense,quest] results_dir=/tmp/x progress=false"
+    envs = [{"command_line": full}] * 3 + [{"command_line": rerun}] * 2
+    # a subset rerun elsewhere is the same experiment: one command remakes every cell
+    assert report.regenerate_command(cfg, envs) == full
+    made = report.provenance(cfg, envs)
+    assert f"`{full}` (3 cells), `{rerun}` (2 cells)" in made
+    # cells that only ever ran a subset keep it; commands that differ otherwise fall back to the first
+    part = [{"command_line": rerun}]
+    assert report.regenerate_command(cfg, part) == full + " exp.systems=[dense,quest]"
+    other = [{"command_line": full}, {"command_line": "python -m harness +exp=accuracy_retention exp.params.budget=64"}]
+    assert report.regenerate_command(cfg, other) == sorted(e["command_line"] for e in other)[0]
+    assert "(1 cell)" in report.provenance(cfg, other)
