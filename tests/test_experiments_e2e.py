@@ -125,6 +125,11 @@ def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
     assert sorted(r["length"] for r in cells) == ["1024", "1280"] and all(r["n"] == "2" for r in cells)
     avg = [r for r in rows if r["task"] == "AVERAGE" and r["system"] == "engine-streaming" and r["length"] == "all"]
     assert avg and avg[0]["score_n"] == "8"
+    # rankings and averages use RULER's unit, one length (the mean over its tasks), not task × length cells
+    assert "macro retention vs `engine-dense` over lengths" in md
+    units = {r["task"] for r in rows if r["system"] == "engine-streaming" and r.get("retention_n")
+             and r["task"] not in ("AVERAGE", "PAIRWISE")}
+    assert units == {"ruler/1024", "ruler/1280"}, units
 
 
 def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):

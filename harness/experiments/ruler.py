@@ -4,7 +4,8 @@ Cells are ordinary accuracy cells (one per system × RULER task config), run thr
 teacher-forced fidelity. The summary reports what RULER's README table reports — the per-task score at each length,
 the per-length average over tasks, and the average over lengths — with 95 % bootstrap intervals, plus each policy's
 retention vs the reference per length (ratio of the length averages, paired over samples) and the macro retention
-over task × length units with its supported ranking.
+over lengths with its supported ranking. Rankings and pairwise differences use RULER's own unit, one length (the mean
+over its tasks): a task × length cell holds a handful of samples, and retentions of such cells are noise.
 
 exp.params: budget (shared token budget, applied by the runner), reference (default engine-dense),
 min_reference_score, fidelity, task_params (as accuracy_retention), size_reason (why the grid is this size).
@@ -83,6 +84,7 @@ def average_ratio(data: AccuracyData, system: str, reference: str, units: Sequen
 def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
     reference = accuracy.reference_of(p, labels) or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score, unit_of=task_length)
+    by_length = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     tasks, lengths = _grid(data)
     at = {L: [f"{t}@{L}" for t in tasks] for L in lengths}
     avg = {s: {**{L: length_average(data, s, at[L]) for L in lengths},
@@ -95,10 +97,10 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     bullets = [f"RULER average ({len(tasks)} tasks × {len(lengths)} lengths, 0–100): "
                + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
     if others:
-        bullets.append(f"macro retention vs `{reference}` over task × length units"
-                       + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)}")
-    if data.has("fid_top1"):
-        bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
+        bullets.append(f"macro retention vs `{reference}` over lengths"
+                       + (f" at a budget of {budget} tokens" if budget else "") + f": {by_length.ranking(reference)}")
+    if others and by_length.has("fid_top1"):
+        bullets.append(f"teacher-forced top-1 agreement: {by_length.fidelity_ranking('fid_top1', reference)}")
     summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
                    "at this n.", bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
@@ -135,7 +137,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
             "length (tokens)", f"RULER average ÷ {reference} (95 % CI)", "Retention vs context length",
             errors={s: [(L, ratio[s][L].low, ratio[s][L].high) for L in lengths] for s in others}, logx=True,
             hline=1.0), "retention vs length")
-    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False)
+    accuracy_report.standard_sections(summary, by_length, reference, out_dir, per_unit=False)
     summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
