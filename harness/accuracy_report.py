@@ -273,6 +273,9 @@ def _csv(e: Estimate, name: str) -> dict[str, Any]:
 
 
 # ---- the standard accuracy sections every accuracy summary shows ---------------------------------------------------
+CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
+             "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every pair.")
+
 DEFINITIONS = (
     "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
     "(reference − chance) on the samples both systems ran, its interval from a paired bootstrap (samples resampled "

@@ -79,8 +79,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         bullets.append(f"teacher-forced top-1 agreement with `{reference}`: "
                        f"{data.fidelity_ranking('fid_top1', reference)}")
         bullets.append(f"KL({reference} ‖ policy), nats per token: {data.fidelity_ranking('fid_kl', reference)}")
-    summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
-                   "at this n.", bullets)
+    summary.glance(accuracy_report.CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
     left_out = grid_lib.budgets_left_out(cells, labels, p.budgets) if p.budgets else []
     if left_out:

@@ -101,8 +101,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                        + (f" at a budget of {budget} tokens" if budget else "") + f": {by_length.ranking(reference)}")
     if others and by_length.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: {by_length.fidelity_ranking('fid_top1', reference)}")
-    summary.glance("`>` only where the paired 95 % interval of the difference excludes 0; `≈`: indistinguishable "
-                   "at this n.", bullets)
+    summary.glance(accuracy_report.CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
     summary.section("RULER average per length (mean over tasks, 0–100, 95 % CI)").table(
         ["system", *[f"{L}" for L in lengths], "average", "n"],
