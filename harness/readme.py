@@ -17,11 +17,12 @@ from harness.catalog import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Experiments in reading order, each with the line its README heading carries; a results folder not listed here
-# comes after them, described by the first comment line of conf/exp/<name>.yaml.
+# Experiments in reading order (score vs budget first: it is the headline accuracy figure), each with the line its
+# README heading carries; a results folder not listed here comes after them, described by the first comment line of
+# conf/exp/<name>.yaml.
 SECTIONS = {
-    "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
     "budget_sweep": "score and fidelity vs token budget, one curve per policy (CAKE F5 style)",
+    "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
     "ruler": "RULER's 11 synthetic tasks per context length, dense vs each policy",
     "needlebench": "S-RT / M-RT / M-RS scores and length × depth heatmaps per system (CAKE F6)",
     "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (16 × (4000 in + 256 out))",
