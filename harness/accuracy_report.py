@@ -12,8 +12,10 @@ difference excludes 0. Definitions:
   less than `min_reference` above chance is flagged and left out of averages: its ratio is noise.
 - macro retention: the mean of per-unit retentions (FlexiCache's average); ratio of means: mean score ÷ mean
   reference score over the same units (CAKE's).
-- fidelity (harness.fidelity): top-1 agreement and KL(reference ‖ policy) per sample, averaged over all samples;
-  Δ gold log-likelihood: policy − reference, paired per sample.
+- fidelity (harness.fidelity): top-1 agreement and KL(reference ‖ policy) per sample, averaged over all samples
+  (each sample weighs the same); Δ gold log-likelihood: policy − reference, paired per sample.
+- device KV: resident device pages × page size at the end of a request, per layer and KV head (the budget a policy
+  really keeps; retrieval policies keep everything and spend their budget on reads).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
 
 from harness import uncertainty as unc
 from harness.uncertainty import Estimate
@@ -58,7 +62,12 @@ class AccuracyData:
         self.rows: dict[tuple[str, str], dict[str, dict]] = defaultdict(dict)
         self.systems: list[str] = []
         self.units: list[str] = []
+        self.page_size: dict[str, int] = {}
         for cell, label in zip(cells, labels):
+            system = getattr(cell, "system", None)
+            page = OmegaConf.select(system, "engine.page_size") if isinstance(system, DictConfig) else None
+            if page:
+                self.page_size[label] = int(page)
             rows = rows_by_cell.get(cell.key, [])
             task = task_name(cell) if task_name else cell.task.name
             units = ({r["id"]: unit_of(task, r) for r in rows} if unit_of
@@ -164,6 +173,18 @@ class AccuracyData:
         """Policy − reference log-likelihood of the gold answer (nats), paired per sample."""
         return self.fidelity_difference(label, reference, "gold_loglik", units)
 
+    def device_kv(self, label: str, units: Sequence[str] | None = None) -> Estimate:
+        """Tokens per layer and KV head resident on the device at the end of a request (pages × page size)."""
+        page = self.page_size.get(label)
+        values = []
+        for unit in units or self.units:
+            for row in self.rows.get((label, unit), {}).values():
+                stats = row.get("kv_stats") or {}
+                kept, pages = stats.get("kept_tokens"), stats.get("device_pages")
+                if page and kept and kept[0] and _num(pages):
+                    values.append(pages * page / (len(kept) * len(kept[0])))
+        return unc.mean(values)
+
     def has(self, key: str) -> bool:
         return any(_num(r.get(key)) for per in self.rows.values() for r in per.values())
 
@@ -216,10 +237,11 @@ class AccuracyData:
                 csv.append({"system": s, "task": unit, "n": score.n, "score": score.value,
                             "score_ci_low": score.low, "score_ci_high": score.high,
                             "chance": self.chance(s, unit), "reference": reference,
-                            **(_csv(ret, "retention") if ret else {"retention": 1.0 if s == reference else None}),
+                            **(csv_estimate(ret, "retention") if ret
+                               else {"retention": 1.0 if s == reference else None}),
                             "flagged_small_reference": unit in flagged,
-                            **{f: v for k, e in fid.items() for f, v in _csv(e, k).items()},
-                            **(_csv(gold, "gold_loglik_delta") if gold else {})})
+                            **{f: v for k, e in fid.items() for f, v in csv_estimate(e, k).items()},
+                            **(csv_estimate(gold, "gold_loglik_delta") if gold else {})})
         return md, csv
 
     UNIT_HEADER = ["system", "task", "n", "score [95 % CI]", "retention [95 % CI] n", "top-1 agreement",
@@ -233,18 +255,20 @@ class AccuracyData:
             rom = self.ratio_of_means(s, reference, use) if s != reference else None
             fid = {k: self.fidelity(s, k, units) for k in FIDELITY}
             gold = self.gold_delta(s, reference, units) if s != reference else None
+            kv = self.device_kv(s, units)
             md.append([s, macro.fmt(2) if macro else "1 (reference)", rom.fmt(2, with_n=False) if rom else "—",
                        fid["fid_top1"].fmt(3), fid["fid_kl"].fmt(3, with_n=False),
-                       gold.fmt(2, with_n=False) if gold else "—"])
+                       gold.fmt(2) if gold else "—", f"{kv.value:.0f}" if _num(kv.value) else "—"])
             csv.append({"system": s, "task": "AVERAGE", "units_used": len(use), "reference": reference,
-                        **(_csv(macro, "retention") if macro else {"retention": 1.0}),
-                        **(_csv(rom, "ratio_of_means") if rom else {}),
-                        **{f: v for k, e in fid.items() for f, v in _csv(e, k).items()},
-                        **(_csv(gold, "gold_loglik_delta") if gold else {})})
+                        **(csv_estimate(macro, "retention") if macro else {"retention": 1.0}),
+                        **(csv_estimate(rom, "ratio_of_means") if rom else {}),
+                        **{f: v for k, e in fid.items() for f, v in csv_estimate(e, k).items()},
+                        **(csv_estimate(gold, "gold_loglik_delta") if gold else {}),
+                        **csv_estimate(kv, "device_kv_tokens")})
         return md, csv
 
     AVERAGE_HEADER = ["system", "macro retention [95 % CI] n", "ratio of means", "top-1 agreement n", "KL (nats)",
-                      "Δ gold log-lik"]
+                      "Δ gold log-lik n", "device KV (tokens / layer·head)"]
 
     def pairwise_table(self, reference: str, units: Sequence[str] | None = None) -> tuple[list, list[dict]]:
         """Every pair of non-reference systems: difference in macro retention, paired, and what it supports."""
@@ -258,8 +282,21 @@ class AccuracyData:
                 verdict = (f"{a} keeps more" if d.low > 0 else f"{b} keeps more") if d.excludes(0) else \
                     "indistinguishable at this n"
                 md.append([a, b, d.fmt(3), verdict])
-                csv.append({"system": a, "other": b, **_csv(d, "retention_difference"), "verdict": verdict})
+                csv.append({"system": a, "other": b, **csv_estimate(d, "retention_difference"), "verdict": verdict})
         return md, csv
+
+    def fidelity_pairwise(self, key: str, reference: str | None) -> list[dict]:
+        """CSV rows: every pair of non-reference systems, the paired difference in a fidelity field."""
+        systems = [s for s in self.systems if s != reference]
+        rows = []
+        for i, a in enumerate(systems):
+            for b in systems[i + 1:]:
+                d = self.fidelity_difference(a, b, key)
+                if _num(d.value):
+                    rows.append({"system": a, "other": b, **csv_estimate(d, f"{key}_difference"),
+                                 "verdict": (f"{a if d.low > 0 else b} higher" if d.excludes(0)
+                                             else "indistinguishable at this n")})
+        return rows
 
     PAIRWISE_HEADER = ["system A", "system B", "A − B macro retention [95 % CI] n", "supported ordering"]
 
@@ -268,23 +305,26 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _csv(e: Estimate, name: str) -> dict[str, Any]:
+def csv_estimate(e: Estimate, name: str) -> dict[str, Any]:
     return {name: e.value, f"{name}_ci_low": e.low, f"{name}_ci_high": e.high, f"{name}_n": e.n}
 
 
 # ---- the standard accuracy sections every accuracy summary shows ---------------------------------------------------
 CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
-             "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every pair.")
+             "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
+             "pair by retention, the CSV's PAIRWISE_TOP1 rows every pair by top-1 agreement.")
 
 DEFINITIONS = (
     "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
     "(reference − chance) on the samples both systems ran, its interval from a paired bootstrap (samples resampled "
     "jointly for both systems; 10,000 resamples, seed 0); the macro retention averages task units and resamples "
     "within each. `>` in a ranking means the paired interval of the two systems' difference excludes 0, `≈` that "
-    "this n cannot order them. Fidelity is teacher-forced on the reference's greedy output: top-1 agreement is the "
-    "share of positions where the policy's own next token equals the reference's, KL is KL(reference ‖ policy) over "
-    "the full vocabulary in nats per position, Δ gold log-lik is log p(gold answer | prompt) under the policy minus "
-    "under the reference (nats, tasks with one gold answer).")
+    "this n cannot order them. Fidelity is teacher-forced on the reference's greedy output: top-1 agreement is, per "
+    "sample, the share of positions where the policy's own next token equals the reference's, KL is KL(reference ‖ "
+    "policy) over the full vocabulary in nats per position, both averaged over samples; Δ gold log-lik is log "
+    "p(gold answer | prompt) under the policy minus under the reference (nats, tasks with one gold answer). Device "
+    "KV is what a policy keeps on the device at the end of a request (resident pages × page size, tokens per layer "
+    "and KV head); retrieval policies keep the whole cache and spend their budget on the pages each step reads.")
 
 
 def standard_sections(summary, data: AccuracyData, reference: str | None, out_dir, *,
@@ -311,6 +351,8 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
         md, csv = data.pairwise_table(reference, units)
         summary.section("Pairwise: difference in macro retention").table(AccuracyData.PAIRWISE_HEADER, md)
         summary.csv([{**r, "task": "PAIRWISE"} for r in csv])
+        if data.has("fid_top1"):
+            summary.csv([{**r, "task": "PAIRWISE_TOP1"} for r in data.fidelity_pairwise("fid_top1", reference)])
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:

@@ -123,13 +123,22 @@ def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
     assert {"ruler_heatmap.png", "retention_vs_length.png"} <= set(pngs)
     cells = [r for r in rows if r["task"] == "vt" and r["system"] == "engine-dense"]
     assert sorted(r["length"] for r in cells) == ["1024", "1280"] and all(r["n"] == "2" for r in cells)
-    avg = [r for r in rows if r["task"] == "AVERAGE" and r["system"] == "engine-streaming" and r["length"] == "all"]
-    assert avg and avg[0]["score_n"] == "8"
+    avg = [r for r in rows if r["task"] == "RULER average" and r["system"] == "engine-streaming"]
+    assert avg and avg[0]["length"] == "all" and avg[0]["score_n"] == "8"
     # rankings and averages use RULER's unit, one length (the mean over its tasks), not task × length cells
     assert "macro retention vs `engine-dense` over lengths" in md
     units = {r["task"] for r in rows if r["system"] == "engine-streaming" and r.get("retention_n")
              and r["task"] not in ("AVERAGE", "PAIRWISE")}
     assert units == {"ruler/1024", "ruler/1280"}, units
+    # one number, one interval: the per-length table shows the CSV's unit estimate
+    dense = next(r for r in rows if r["task"] == "ruler/1024" and r["system"] == "engine-dense")
+    assert (f"{float(dense['score']):.1f} [{float(dense['score_ci_low']):.1f}, "
+            f"{float(dense['score_ci_high']):.1f}]") in md
+    # what each policy really keeps on the device: the window policy its 64 tokens (whole pages), dense everything
+    kv = {r["system"]: float(r["device_kv_tokens"]) for r in rows
+          if r["task"] == "AVERAGE" and r.get("device_kv_tokens")}
+    assert 64 <= kv["engine-streaming"] <= 64 + 16 < kv["engine-dense"], kv
+    assert "device KV (tokens / layer·head)" in md
 
 
 def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):

@@ -87,6 +87,21 @@ def test_accuracy_data_units_retention_ranking_and_flags():
     assert macro.n == n and macro.high < 0.8
     md, csv = data.pairwise_table("dense")
     assert csv[0]["verdict"] == "strong keeps more"
+    top1 = data.fidelity_pairwise("fid_top1", "dense")
+    assert [(r["system"], r["other"], r["verdict"]) for r in top1] == [("strong", "weak", "strong higher")]
+
+
+def test_device_kv_is_resident_pages_times_page_size_per_layer_and_head():
+    from omegaconf import OmegaConf
+    cell = SimpleNamespace(key="c0", task=SimpleNamespace(name="t", family="needlebench"),
+                           system=OmegaConf.create({"engine": {"page_size": 16}}))
+    rows = [{"id": f"s{i}", "score": 100.0, "meta": {},
+             "kv_stats": {"kept_tokens": [[100, 100], [100, 100]], "device_pages": pages}}
+            for i, pages in enumerate((28, 36))]
+    kv = AccuracyData([cell], ["snap"], {"c0": rows}).device_kv("snap")
+    assert kv.value == (28 + 36) * 16 / 4 / 2 and kv.n == 2
+    # systems without an engine (HF, vLLM) have no device KV to report
+    assert AccuracyData(_cells(("hf", "t")), ["hf"], {"c0": rows}).device_kv("hf").n == 0
 
 
 def test_ranking_says_indistinguishable_inside_the_noise():

@@ -4,8 +4,9 @@ Cells are ordinary accuracy cells (one per system × RULER task config), run thr
 teacher-forced fidelity. The summary reports what RULER's README table reports — the per-task score at each length,
 the per-length average over tasks, and the average over lengths — with 95 % bootstrap intervals, plus each policy's
 retention vs the reference per length (ratio of the length averages, paired over samples) and the macro retention
-over lengths with its supported ranking. Rankings and pairwise differences use RULER's own unit, one length (the mean
-over its tasks): a task × length cell holds a handful of samples, and retentions of such cells are noise.
+over lengths with its supported ranking. Every interval, ranking and pairwise difference uses RULER's own unit, one
+length (the mean over its tasks), resampling samples within it: a task × length cell holds a handful of samples, and
+retentions of such cells are noise.
 
 exp.params: budget (shared token budget, applied by the runner), reference (default engine-dense),
 min_reference_score, fidelity, task_params (as accuracy_retention), size_reason (why the grid is this size).
@@ -61,8 +62,13 @@ def _grid(data: AccuracyData) -> tuple[list[str], list[int]]:
     return list(dict.fromkeys(t for t, _ in pairs)), sorted({int(L) for _, L in pairs})
 
 
-def length_average(data: AccuracyData, system: str, units: Sequence[str]) -> Estimate:
-    """Unweighted mean over the units (RULER tasks at one length, or every task × length) of their mean scores."""
+def length_unit(task: str, row: dict) -> str:
+    """RULER's reporting unit: every RULER task at one length (the average RULER's table shows)."""
+    return f"ruler/{row['meta']['length']}"
+
+
+def over_lengths(data: AccuracyData, system: str, units: Sequence[str]) -> Estimate:
+    """Unweighted mean over lengths of each length's mean score, resampling samples within each length."""
     vectors = [data.vectors([system], u)[0][0] for u in units if data.n(system, u)]
     if not vectors or len(vectors) < len(units):
         return unc.NAN
@@ -70,28 +76,25 @@ def length_average(data: AccuracyData, system: str, units: Sequence[str]) -> Est
     return Estimate(point, low, high, sum(len(v) for v in vectors))
 
 
-def average_ratio(data: AccuracyData, system: str, reference: str, units: Sequence[str]) -> Estimate:
-    """Policy's length average ÷ the reference's, resampled jointly over the samples both ran."""
-    pairs = [data.vectors([system, reference], u)[0] for u in units]
-    pairs = [(p, r) for p, r in pairs if p]
-    if len(pairs) < len(units):
-        return unc.NAN
-    point, low, high = unc.stratified(pairs, lambda us: np.mean([p.mean(-1) for p, _ in us], 0)
-                                      / np.mean([r.mean(-1) for _, r in us], 0))
-    return Estimate(point, low, high, sum(len(p) for p, _ in pairs))
+def balanced(data: AccuracyData, tasks: Sequence[str], lengths: Sequence[int]) -> bool:
+    """Whether every system ran as many samples of each task at a length (then a length's mean over its samples
+    is RULER's mean over tasks)."""
+    return all(len({data.n(s, f"{t}@{L}") for t in tasks}) == 1 for s in data.systems for L in lengths)
 
 
 def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
     reference = accuracy.reference_of(p, labels) or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score, unit_of=task_length)
-    by_length = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
+    by_length = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score, unit_of=length_unit)
     tasks, lengths = _grid(data)
-    at = {L: [f"{t}@{L}" for t in tasks] for L in lengths}
-    avg = {s: {**{L: length_average(data, s, at[L]) for L in lengths},
-               "all": length_average(data, s, data.units)} for s in data.systems}
+    unit = {L: f"ruler/{L}" for L in lengths}
+    # every figure per length comes from by_length, so a number has one interval wherever it appears (tables, CSV,
+    # and the > / ≈ verdicts, which resample samples within a length)
+    avg = {s: {**{L: by_length.score(s, unit[L]) for L in lengths},
+               "all": over_lengths(by_length, s, list(unit.values()))} for s in data.systems}
     others = [s for s in data.systems if s != reference]
-    ratio = {s: {**{L: average_ratio(data, s, reference, at[L]) for L in lengths},
-                 "all": average_ratio(data, s, reference, data.units)} for s in others}
+    ratio = {s: {**{L: by_length.retention(s, unit[L], reference) for L in lengths},
+                 "all": by_length.macro_retention(s, reference)} for s in others}
     budget = p.budget
     summary = Summary(cfg, envs=cell_envs(metrics))
     bullets = [f"RULER average ({len(tasks)} tasks × {len(lengths)} lengths, 0–100): "
@@ -103,17 +106,20 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         bullets.append(f"teacher-forced top-1 agreement: {by_length.fidelity_ranking('fid_top1', reference)}")
     summary.glance(accuracy_report.CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
-    summary.section("RULER average per length (mean over tasks, 0–100, 95 % CI)").table(
+    summary.section("RULER average per length (mean over its samples, 0–100, 95 % CI)").table(
         ["system", *[f"{L}" for L in lengths], "average", "n"],
         [[s, *[avg[s][L].fmt(1, with_n=False) for L in lengths], avg[s]["all"].fmt(1, with_n=False),
           avg[s]["all"].n] for s in data.systems])
+    summary.text("Every task has the same number of samples at each length, so a length's mean over its samples is "
+                 "RULER's mean over tasks." if balanced(data, tasks, lengths) else
+                 "Tasks have unequal sample counts at some length: a length's mean over its samples weights tasks by "
+                 "their counts, unlike RULER's mean over tasks.")
     if others:
         summary.section(f"Retention per length: average ÷ `{reference}`'s on the same samples (95 % CI)").table(
-            ["system", *[f"{L}" for L in lengths], "all lengths"],
+            ["system", *[f"{L}" for L in lengths], "macro over lengths"],
             [[s, *[ratio[s][L].fmt(2, with_n=False) for L in lengths], ratio[s]["all"].fmt(2)] for s in others])
-    summary.csv([{"system": s, "task": "AVERAGE", "length": L, **avg[s][L].as_dict("score_"),
-                  **(ratio[s][L].as_dict("retention_") if s in ratio else {})}
-                 for s in data.systems for L in [*lengths, "all"]])
+    summary.csv([{"system": s, "task": "RULER average", "length": "all",
+                  **accuracy_report.csv_estimate(avg[s]["all"], "score")} for s in data.systems])
     panels = []
     for s in data.systems:
         values = [[data.score(s, f"{t}@{L}").value if data.n(s, f"{t}@{L}") else math.nan for L in lengths]
