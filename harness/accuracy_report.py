@@ -270,9 +270,11 @@ class AccuracyData:
     AVERAGE_HEADER = ["system", "macro retention [95 % CI] n", "ratio of means", "top-1 agreement n", "KL (nats)",
                       "Δ gold log-lik n", "device KV (tokens / layer·head)"]
 
-    def pairwise_table(self, reference: str, units: Sequence[str] | None = None) -> tuple[list, list[dict]]:
-        """Every pair of non-reference systems: difference in macro retention, paired, and what it supports."""
-        systems = [s for s in self.systems if s != reference]
+    def pairwise_table(self, reference: str, units: Sequence[str] | None = None,
+                       systems: Sequence[str] | None = None) -> tuple[list, list[dict]]:
+        """Every pair of non-reference systems (of `systems`, default all): difference in macro retention, paired,
+        and what it supports."""
+        systems = [s for s in (systems or self.systems) if s != reference]
         md, csv = [], []
         for i, a in enumerate(systems):
             for b in systems[i + 1:]:
@@ -285,9 +287,10 @@ class AccuracyData:
                 csv.append({"system": a, "other": b, **csv_estimate(d, "retention_difference"), "verdict": verdict})
         return md, csv
 
-    def fidelity_pairwise(self, key: str, reference: str | None) -> list[dict]:
-        """CSV rows: every pair of non-reference systems, the paired difference in a fidelity field."""
-        systems = [s for s in self.systems if s != reference]
+    def fidelity_pairwise(self, key: str, reference: str | None, systems: Sequence[str] | None = None
+                          ) -> list[dict]:
+        """CSV rows: every pair of non-reference systems (of `systems`), the paired difference in a fidelity field."""
+        systems = [s for s in (systems or self.systems) if s != reference]
         rows = []
         for i, a in enumerate(systems):
             for b in systems[i + 1:]:
@@ -329,9 +332,10 @@ DEFINITIONS = (
 
 def standard_sections(summary, data: AccuracyData, reference: str | None, out_dir, *,
                       units: Sequence[str] | None = None, plot_name: str = "retention.png",
-                      per_unit: bool = True) -> None:
+                      per_unit: bool = True, pairwise_groups: dict[str, Sequence[str]] | None = None) -> None:
     """Averages, the per-unit table (in the CSV only when not `per_unit`), the pairwise comparisons and the
-    retention / fidelity figures."""
+    retention / fidelity figures. `pairwise_groups` ({title: systems}) compares systems only within each group
+    (e.g. policies at the same budget) instead of every pair."""
     from harness import plots
 
     units = list(units or data.units)
@@ -347,12 +351,16 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
     if flagged:
         summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
                      "out of every average.")
-    if reference in data.systems and len(data.systems) > 2:
-        md, csv = data.pairwise_table(reference, units)
-        summary.section("Pairwise: difference in macro retention").table(AccuracyData.PAIRWISE_HEADER, md)
-        summary.csv([{**r, "task": "PAIRWISE"} for r in csv])
+    groups = pairwise_groups or {"": [s for s in data.systems if s != reference]}
+    for title, systems in groups.items() if reference in data.systems else ():
+        md, csv = data.pairwise_table(reference, units, systems)
+        if md:
+            summary.section("Pairwise: difference in macro retention" + (f" ({title})" if title else "")).table(
+                AccuracyData.PAIRWISE_HEADER, md)
+        summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
         if data.has("fid_top1"):
-            summary.csv([{**r, "task": "PAIRWISE_TOP1"} for r in data.fidelity_pairwise("fid_top1", reference)])
+            summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
+                         for r in data.fidelity_pairwise("fid_top1", reference, systems)])
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:

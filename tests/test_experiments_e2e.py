@@ -149,3 +149,7 @@ def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
     means = {(r["system"], r["budget"]) for r in rows if r["task"] == "MEAN"}
     assert means == {("engine-quest", "32"), ("engine-quest", "64"), ("engine-streaming", "32"),
                      ("engine-streaming", "64"), ("engine-dense", "")}
+    # policies are compared at equal budget only
+    pairs = {(r["group"], r["system"], r["other"]) for r in rows if r["task"] in ("PAIRWISE", "PAIRWISE_TOP1")}
+    assert pairs == {("budget 32", "engine-quest@32", "engine-streaming@32"),
+                     ("budget 64", "engine-quest@64", "engine-streaming@64")}, pairs

@@ -92,8 +92,13 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                        + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[pol].items())
                        + (f"; within the noise of {reference} from {reach} tokens" if reach else
                           f"; below {reference} at every budget"))
+    same_budget = {f"budget {b}": [at[pol][b] for pol in policies if b in at[pol]] for b in budgets}
+    for title, group in same_budget.items():
+        chain = data.ranking(reference, group, units) if len(group) > 1 else ""
+        if chain:
+            bullets.append(f"macro retention at {title}: {chain}")
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
-                   f"{ref.fmt(1)}:", bullets)
+                   f"{ref.fmt(1)}. In the rankings at one budget, {accuracy_report.CHAIN_KEY}", bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
     grid_tasks = {c.task.name for c in cells}
     contexts = {t: n for t, n in p.contexts.items() if t in grid_tasks}
@@ -125,12 +130,15 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                if b in at[pol] else "—" for b in budgets]] for pol in policies])
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "
                  "KL(reference ‖ policy) [CI].")
-    summary.csv([{"system": pol, "budget": b, "task": "MEAN", **score[label].as_dict("score_"),
-                  **data.macro_retention(label, reference, units).as_dict("retention_"),
-                  **top1[label].as_dict("top1_"), **kl[label].as_dict("kl_")}
+    csv = accuracy_report.csv_estimate
+    summary.csv([{"system": pol, "budget": b, "task": "MEAN", **csv(score[label], "score"),
+                  **csv(data.macro_retention(label, reference, units), "retention"),
+                  **csv(top1[label], "fid_top1"), **csv(kl[label], "fid_kl")}
                  for pol in policies for b, label in at[pol].items()]
-                + [{"system": reference, "budget": None, "task": "MEAN", **ref.as_dict("score_")}])
-    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False)
+                + [{"system": reference, "budget": None, "task": "MEAN", **csv(ref, "score")}])
+    # policies are compared at equal budget: a pair across budgets says nothing about either policy
+    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False,
+                                      pairwise_groups={t: g for t, g in same_budget.items() if len(g) > 1})
     summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
