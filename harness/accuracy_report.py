@@ -287,14 +287,14 @@ class AccuracyData:
                 csv.append({"system": a, "other": b, **csv_estimate(d, "retention_difference"), "verdict": verdict})
         return md, csv
 
-    def fidelity_pairwise(self, key: str, reference: str | None, systems: Sequence[str] | None = None
-                          ) -> list[dict]:
+    def fidelity_pairwise(self, key: str, reference: str | None, systems: Sequence[str] | None = None,
+                          units: Sequence[str] | None = None) -> list[dict]:
         """CSV rows: every pair of non-reference systems (of `systems`), the paired difference in a fidelity field."""
         systems = [s for s in (systems or self.systems) if s != reference]
         rows = []
         for i, a in enumerate(systems):
             for b in systems[i + 1:]:
-                d = self.fidelity_difference(a, b, key)
+                d = self.fidelity_difference(a, b, key, units)
                 if _num(d.value):
                     rows.append({"system": a, "other": b, **csv_estimate(d, f"{key}_difference"),
                                  "verdict": (f"{a if d.low > 0 else b} higher" if d.excludes(0)
@@ -308,6 +308,16 @@ def _num(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def same_budget(labels: Sequence[str]) -> dict[str, list[str]]:
+    """{"budget B": the `<system>@B` labels} for every budget two or more policies share: policies are compared at
+    equal budget, since a pair across budgets says nothing about either policy."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for label in dict.fromkeys(labels):
+        if "@" in label:
+            groups[f"budget {label.rsplit('@', 1)[1]}"].append(label)
+    return {t: g for t, g in groups.items() if len(g) > 1}
+
+
 def csv_estimate(e: Estimate, name: str) -> dict[str, Any]:
     return {name: e.value, f"{name}_ci_low": e.low, f"{name}_ci_high": e.high, f"{name}_n": e.n}
 
@@ -315,7 +325,7 @@ def csv_estimate(e: Estimate, name: str) -> dict[str, Any]:
 # ---- the standard accuracy sections every accuracy summary shows ---------------------------------------------------
 CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
              "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
-             "pair by retention, the CSV's PAIRWISE_TOP1 rows every pair by top-1 agreement.")
+             "pair by retention (and, with fidelity, the CSV's PAIRWISE_TOP1 rows by top-1 agreement).")
 
 DEFINITIONS = (
     "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
@@ -351,7 +361,7 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
     if flagged:
         summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
                      "out of every average.")
-    groups = pairwise_groups or {"": [s for s in data.systems if s != reference]}
+    groups = pairwise_groups if pairwise_groups is not None else {"": [s for s in data.systems if s != reference]}
     for title, systems in groups.items() if reference in data.systems else ():
         md, csv = data.pairwise_table(reference, units, systems)
         if md:
@@ -360,7 +370,7 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
         summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
         if data.has("fid_top1"):
             summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
-                         for r in data.fidelity_pairwise("fid_top1", reference, systems)])
+                         for r in data.fidelity_pairwise("fid_top1", reference, systems, units)])
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:

@@ -95,14 +95,15 @@ def provenance(cfg, envs: Sequence[dict] | None = None) -> str:
     mixed = " — cells from more than one code version: rerun to make them agree" if len(codes) > 1 else ""
     # a summary can be rebuilt by later code than made its cells (a reporting fix): name the code that wrote it
     writer = static_env()
-    written = writer.get("git_sha") and str(writer.get("code_hash")) not in codes
+    written = str(writer.get("code_hash")) not in codes
     sha = (writer.get("git_sha") or "")[:10] + ("*" if writer.get("git_dirty") else "")
     dirty = " (* = uncommitted changes)" if any(m.endswith("*") for m in made) or (written and "*" in sha) else ""
     return (f"Made by {cmd} at git {', '.join(f'`{m}`' for m in made)}, code "
             f"{', '.join(f'`{c}`' for c in codes)}{mixed}, on {env.get('cpu')} ({env.get('cpu_count')} cores, GPU: "
             f"{env.get('gpu') or 'none'}), torch {(env.get('packages') or {}).get('torch')}, transformers "
             f"{(env.get('packages') or {}).get('transformers')}"
-            + (f"; this summary written at git `{sha}`, code `{writer.get('code_hash')}`" if written else "")
+            + (f"; this summary written by code `{writer.get('code_hash')}`" + (f" at git `{sha}`" if sha else "")
+               if written else "")
             + f"{dirty}. Per-cell config.yaml and env.json sit beside this file (git-ignored raw runs).")
 
 

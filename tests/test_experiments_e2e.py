@@ -46,6 +46,8 @@ def test_accuracy_retention_sweeps_budgets(tiny_llama_dir, tmp_path):
                           f"exp.params.task_params={{{SRT}}}")
     assert {r["system"] for r in rows} == {"engine-dense", "engine-quest@32", "engine-quest@64"}
     assert "at budgets of 32, 64 tokens" in md
+    # one policy at two budgets: nothing to compare at equal budget, and pairs across budgets say nothing
+    assert not any(r["task"] in ("PAIRWISE", "PAIRWISE_TOP1") for r in rows)
     cells = sorted(p.name for p in (tmp_path / "accuracy_retention").iterdir() if p.is_dir())
     assert sum("budget=32" in c for c in cells) == 1 and sum("budget=64" in c for c in cells) == 1
 
@@ -130,10 +132,6 @@ def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
     units = {r["task"] for r in rows if r["system"] == "engine-streaming" and r.get("retention_n")
              and r["task"] not in ("AVERAGE", "PAIRWISE")}
     assert units == {"ruler/1024", "ruler/1280"}, units
-    # one number, one interval: the per-length table shows the CSV's unit estimate
-    dense = next(r for r in rows if r["task"] == "ruler/1024" and r["system"] == "engine-dense")
-    assert (f"{float(dense['score']):.1f} [{float(dense['score_ci_low']):.1f}, "
-            f"{float(dense['score_ci_high']):.1f}]") in md
     # what each policy really keeps on the device: the window policy its 64 tokens (whole pages), dense everything
     kv = {r["system"]: float(r["device_kv_tokens"]) for r in rows
           if r["task"] == "AVERAGE" and r.get("device_kv_tokens")}

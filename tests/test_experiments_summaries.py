@@ -118,3 +118,48 @@ def test_regenerate_line_merges_reruns_of_a_subset_and_made_by_names_every_comma
     other = [{"command_line": full}, {"command_line": "python -m harness +exp=accuracy_retention exp.params.budget=64"}]
     assert report.regenerate_command(cfg, other) == sorted(e["command_line"] for e in other)[0]
     assert "(1 cell)" in report.provenance(cfg, other)
+
+
+def test_made_by_names_the_code_that_wrote_a_summary_when_it_differs_from_the_cells():
+    from harness import report
+    from harness.envinfo import static_env
+    cfg = OmegaConf.create({"exp": {"name": "ruler", "systems": ["dense"]}})
+    here = static_env()["code_hash"]
+    old = report.provenance(cfg, [{"command_line": "python -m harness +exp=ruler", "code_hash": "0ld"}])
+    assert f"this summary written by code `{here}`" in old and "code `0ld`" in old
+    same = report.provenance(cfg, [{"command_line": "python -m harness +exp=ruler", "code_hash": here}])
+    assert "this summary written" not in same
+
+
+def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_use(tmp_path):
+    """Uneven synthetic RULER rows: the per-length table, the CSV's unit rows and the rankings share one interval."""
+    import csv as csv_lib
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from harness.experiments import ruler
+    from harness.params import AccuracyParams
+    rng = np.random.default_rng(3)
+    cells, rows_by_cell = [], {}
+    for i, (system, keep) in enumerate((("engine-dense", 1.0), ("engine-a", 0.7), ("engine-b", 0.3))):
+        cells.append(SimpleNamespace(key=f"c{i}", task=SimpleNamespace(name="ruler", family="ruler"),
+                                     system=OmegaConf.create({"name": system, "engine": {"page_size": 16}})))
+        rows_by_cell[f"c{i}"] = [
+            {"id": f"{t}-{L}-{j}", "score": float(100 * (rng.random() < keep * (0.9 if t == "vt" else 0.6))),
+             "meta": {"ruler_task": t, "length": L}, "fid_top1": float(keep), "fid_kl": 1 - keep}
+            for t in ("niah_single_1", "vt", "cwe") for L in (1024, 2048) for j in range(12)]
+    cfg = OmegaConf.create({"exp": {"name": "ruler", "systems": ["dense", "a", "b"]}, "model": {"dtype": "float32"}})
+    p = AccuracyParams(reference="engine-dense")
+    paths = ruler.write_summary(cfg, p, cells, [c.system.name for c in cells], [], rows_by_cell, tmp_path)
+    md = open(paths["md"]).read()
+    rows = list(csv_lib.DictReader(open(paths["csv"])))
+    for system in ("engine-dense", "engine-a"):
+        unit = next(r for r in rows if r["task"] == "ruler/2048" and r["system"] == system)
+        cell = f"{float(unit['score']):.1f} [{float(unit['score_ci_low']):.1f}, {float(unit['score_ci_high']):.1f}]"
+        assert cell in md.split("## Retention per length")[0], (system, cell)
+    a = next(r for r in rows if r["task"] == "ruler/1024" and r["system"] == "engine-a")
+    assert f"{float(a['retention']):.2f} [{float(a['retention_ci_low']):.2f}, " \
+           f"{float(a['retention_ci_high']):.2f}]" in md
+    assert "Every task has the same number of samples at each length" in md
+    assert any(r["task"] == "PAIRWISE_TOP1" and r["system"] == "engine-a" for r in rows)

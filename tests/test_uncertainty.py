@@ -100,8 +100,9 @@ def test_device_kv_is_resident_pages_times_page_size_per_layer_and_head():
             for i, pages in enumerate((28, 36))]
     kv = AccuracyData([cell], ["snap"], {"c0": rows}).device_kv("snap")
     assert kv.value == (28 + 36) * 16 / 4 / 2 and kv.n == 2
-    # systems without an engine (HF, vLLM) have no device KV to report
-    assert AccuracyData(_cells(("hf", "t")), ["hf"], {"c0": rows}).device_kv("hf").n == 0
+    # HF and vLLM cells carry an engine block too, but their rows report no kv_stats: no device KV to show
+    hf_rows = [{**r, "kv_stats": {}} for r in rows]
+    assert AccuracyData([cell], ["hf"], {"c0": hf_rows}).device_kv("hf").n == 0
 
 
 def test_ranking_says_indistinguishable_inside_the_noise():

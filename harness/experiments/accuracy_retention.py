@@ -73,8 +73,10 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
           f" at budgets of {', '.join(str(b) for b in p.budgets)} tokens (`system@budget`)" if p.budgets else "")
     summary = Summary(cfg, envs=cell_envs(metrics))
     n_ref = sum(data.n(reference, u) for u in use)
+    groups = accuracy_report.same_budget(data.systems) if p.budgets else None
     bullets = [f"macro retention vs `{reference}`{at}, over {len(use)} of {len(data.units)} task units "
-               f"({n_ref} samples): {data.ranking(reference, units=use)}"]
+               f"({n_ref} samples)" + (": " + data.ranking(reference, units=use) if groups is None else "")]
+    bullets += [f"at {title}: {data.ranking(reference, group, use)}" for title, group in (groups or {}).items()]
     if data.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement with `{reference}`: "
                        f"{data.fidelity_ranking('fid_top1', reference)}")
@@ -84,7 +86,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     left_out = grid_lib.budgets_left_out(cells, labels, p.budgets) if p.budgets else []
     if left_out:
         summary.text("Not run, the policy cannot run at that budget: " + "; ".join(left_out) + ".")
-    accuracy_report.standard_sections(summary, data, reference, out_dir)
+    accuracy_report.standard_sections(summary, data, reference, out_dir, pairwise_groups=groups)
     stats = policy_stats(cells, rows_by_cell, labels)
     shown = [k for k in POLICY_STATS if any(k in per for per in stats.values())]
     if shown:

@@ -79,8 +79,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     policies = list(dict.fromkeys(label.split("@")[0] for label in labels if "@" in label))
     at = {pol: {b: f"{pol}@{b}" for b in budgets if f"{pol}@{b}" in data.systems} for pol in policies}
     score = {label: mean_score(data, label, units) for label in data.systems}
-    top1 = {label: data.fidelity(label, "fid_top1", units) for label in data.systems}
-    kl = {label: data.fidelity(label, "fid_kl", units) for label in data.systems}
+    # fidelity does not depend on the reference's score: every unit counts, as in the averages table and fidelity.png
+    top1 = {label: data.fidelity(label, "fid_top1") for label in data.systems}
+    kl = {label: data.fidelity(label, "fid_kl") for label in data.systems}
     ref = score[reference]
     summary = Summary(cfg, envs=cell_envs(metrics))
     bullets = []
@@ -92,9 +93,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                        + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[pol].items())
                        + (f"; within the noise of {reference} from {reach} tokens" if reach else
                           f"; below {reference} at every budget"))
-    same_budget = {f"budget {b}": [at[pol][b] for pol in policies if b in at[pol]] for b in budgets}
+    same_budget = accuracy_report.same_budget(data.systems)
     for title, group in same_budget.items():
-        chain = data.ranking(reference, group, units) if len(group) > 1 else ""
+        chain = data.ranking(reference, group, units)
         if chain:
             bullets.append(f"macro retention at {title}: {chain}")
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
@@ -137,8 +138,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                  for pol in policies for b, label in at[pol].items()]
                 + [{"system": reference, "budget": None, "task": "MEAN", **csv(ref, "score")}])
     # policies are compared at equal budget: a pair across budgets says nothing about either policy
-    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False,
-                                      pairwise_groups={t: g for t, g in same_budget.items() if len(g) > 1})
+    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=same_budget)
     summary.took(accuracy_report.cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

@@ -4,9 +4,9 @@ Cells are ordinary accuracy cells (one per system × RULER task config), run thr
 teacher-forced fidelity. The summary reports what RULER's README table reports — the per-task score at each length,
 the per-length average over tasks, and the average over lengths — with 95 % bootstrap intervals, plus each policy's
 retention vs the reference per length (ratio of the length averages, paired over samples) and the macro retention
-over lengths with its supported ranking. Every interval, ranking and pairwise difference uses RULER's own unit, one
-length (the mean over its tasks), resampling samples within it: a task × length cell holds a handful of samples, and
-retentions of such cells are noise.
+over lengths with its supported ranking. Every score and retention interval, ranking and pairwise difference uses
+RULER's own unit, one length (the mean over its tasks), resampling samples within it: a task × length cell holds a
+handful of samples, and retentions of such cells are noise. (Fidelity pools every sample, whatever its length.)
 
 exp.params: budget (shared token budget, applied by the runner), reference (default engine-dense),
 min_reference_score, fidelity, task_params (as accuracy_retention), size_reason (why the grid is this size).
@@ -93,6 +93,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     avg = {s: {**{L: by_length.score(s, unit[L]) for L in lengths},
                "all": over_lengths(by_length, s, list(unit.values()))} for s in data.systems}
     others = [s for s in data.systems if s != reference]
+    flagged = set(by_length.flagged(reference)) if reference in data.systems else set()
     ratio = {s: {**{L: by_length.retention(s, unit[L], reference) for L in lengths},
                  "all": by_length.macro_retention(s, reference)} for s in others}
     budget = p.budget
@@ -116,7 +117,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                  "their counts, unlike RULER's mean over tasks.")
     if others:
         summary.section(f"Retention per length: average ÷ `{reference}`'s on the same samples (95 % CI)").table(
-            ["system", *[f"{L}" for L in lengths], "macro over lengths"],
+            ["system", *[f"{L} †" if unit[L] in flagged else f"{L}" for L in lengths], "macro over lengths"],
             [[s, *[ratio[s][L].fmt(2, with_n=False) for L in lengths], ratio[s]["all"].fmt(2)] for s in others])
     summary.csv([{"system": s, "task": "RULER average", "length": "all",
                   **accuracy_report.csv_estimate(avg[s]["all"], "score")} for s in data.systems])
