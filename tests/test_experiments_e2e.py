@@ -65,7 +65,8 @@ def test_needlebench_end_to_end_all_modes(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("needlebench", tiny_llama_dir, tmp_path, "exp.systems=[dense]", params)
     assert pngs == ["heatmap_mrs.png", "heatmap_mrt.png", "heatmap_srt.png"]
     overall = [r for r in rows if r["task"] == "OVERALL"]
-    assert len(overall) == 1 and overall[0]["v2_value"] != ""       # all three modes ran: the overall is defined
+    assert len(overall) == 1 and overall[0]["v2_overall"] != ""       # all three modes ran: the overall is defined
+    assert "- v2 overall (0–100): engine-dense " in md
 
 
 def test_cake_ablation_end_to_end(tiny_llama_dir, tmp_path):

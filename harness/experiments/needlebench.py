@@ -93,9 +93,14 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     v2 = {s: overall(data, s, units, {m: 1 / 3 for m in MODES}) for s in data.systems}
     budget = p.budget
     summary = Summary(cfg, envs=cell_envs(metrics))
-    summary.glance(f"macro retention over {', '.join(LABELS[m] for m in modes)} vs `{reference}`"
-                   + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)} "
-                   "(`>` only where the paired 95 % interval of the difference excludes 0).")
+    bullets = []
+    if len(data.systems) > 1:
+        bullets.append(f"macro retention over {', '.join(LABELS[m] for m in modes)} vs `{reference}`"
+                       + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)}")
+    if len(data.systems) > 1 and data.has("fid_top1"):
+        bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
+    bullets.append("v2 overall (0–100): " + ", ".join(f"{s} {v2[s].fmt(1, with_n=False)}" for s in data.systems))
+    summary.glance(accuracy_report.CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, budget)
     summary.section("Overall (score 0–100, 95 % CI)").table(
         ["system", *[LABELS[m] for m in MODES], "v2 overall", "v1 overall"],
@@ -105,8 +110,8 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                  "needle, M-RS exact match of the boxed answer); v2 overall is their mean. v1 overall = 0.4 S-RT + "
                  "0.3 M-RT + 0.3 M-RS under v1's scoring (S-RT Levenshtein partial credit when the keyword is "
                  "missed, M-RS the share of the answer's words). Blank unless all three modes ran.")
-    summary.csv([{"system": s, "task": "OVERALL", **v2[s].as_dict("v2_"), **v1[s].as_dict("v1_")}
-                 for s in data.systems])
+    summary.csv([{"system": s, "task": "OVERALL", **accuracy_report.csv_estimate(v2[s], "v2_overall"),
+                  **accuracy_report.csv_estimate(v1[s], "v1_overall")} for s in data.systems])
     accuracy_report.standard_sections(summary, data, reference, out_dir)
     for mode in modes:
         panels = []
