@@ -145,9 +145,17 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
     budgets = [int(b) for b in p.budgets]
     ref_score = data.score(reference, unit) if unit else unc.NAN
     summary = Summary(cfg, envs=cell_envs(metrics))
-    summary.glance(f"`{reference}` scores {ref_score.fmt(1)}; retention of each CAKE point vs it: "
-                   + data.ranking(reference, [pt["label"] for pt in points])
-                   + " (`>` only where the paired 95 % interval of the difference excludes 0).")
+    # points are compared at equal budget: a pair across budgets says nothing about allocation or indicator
+    at_budget = {f"budget {b}": [pt["label"] for pt in points if int(pt["budget"]) == b] for b in budgets}
+    at_budget = {t: g for t, g in at_budget.items() if g}
+    same_budget = {t: g for t, g in at_budget.items() if len(g) > 1}
+    bullets = [f"retention of each CAKE point vs `{reference}` ({ref_score.fmt(1)})"
+               + (f" at {t}" if len(at_budget) > 1 else "") + f": {data.ranking(reference, g)}"
+               for t, g in at_budget.items()]
+    if data.has("fid_top1"):
+        bullets.append(f"teacher-forced top-1 agreement: "
+                       f"{data.fidelity_ranking('fid_top1', reference, [pt['label'] for pt in points])}")
+    summary.glance(accuracy_report.CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason)
     report = AblationReport(p, data, reference, points, summary, out_dir)
     if p.full_grid:
@@ -159,7 +167,8 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
     if p.tau1s and p.tau2s:
         for b in budgets:
             report.taus(b)
-    accuracy_report.standard_sections(summary, data, reference, out_dir, plot_name="retention_all.png")
+    accuracy_report.standard_sections(summary, data, reference, out_dir, plot_name="retention_all.png",
+                                      pairwise_groups=same_budget if len(same_budget) > 1 else None)
     summary.text("Budgets are CAKE's cache_size: average tokens per layer and KV head, window included.")
     summary.csv([{**{k: pt.get(k) for k in ("study", "budget", "allocation", "indicator", "tau1", "tau2")},
                   "system": pt["label"], "task": "POINT", **retention_columns(report.retention(pt["label"]))}
