@@ -94,9 +94,16 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     budget = p.budget
     summary = Summary(cfg, envs=cell_envs(metrics))
     bullets = []
-    if len(data.systems) > 1:
-        bullets.append(f"macro retention over {', '.join(LABELS[m] for m in modes)} vs `{reference}`"
-                       + (f" at a budget of {budget} tokens" if budget else "") + f": {data.ranking(reference)}")
+    use = set(data.usable(reference)) if reference in data.systems else set()
+    if len(data.systems) > 1 and not use:
+        bullets.append(f"no mode where `{reference}` scores {data.min_reference:g} above chance: no retention")
+    elif len(data.systems) > 1:
+        left_out = [LABELS[m] for m in modes if units[m] not in use]
+        bullets.append(f"macro retention over {', '.join(LABELS[m] for m in modes if units[m] in use)} vs "
+                       f"`{reference}`" + (f" at a budget of {budget} tokens" if budget else "")
+                       + (f" ({', '.join(left_out)} left out: `{reference}` scores less than "
+                          f"{data.min_reference:g} above chance there, see †)" if left_out else "")
+                       + f": {data.ranking(reference)}")
     if len(data.systems) > 1 and data.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
     bullets.append("v2 overall (0–100): " + ", ".join(f"{s} {v2[s].fmt(1, with_n=False)}" for s in data.systems))
