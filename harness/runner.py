@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -232,10 +233,13 @@ def check_dtype(cfg: DictConfig) -> None:
 
 def pin_dtype(cfg: DictConfig) -> None:
     """`auto` never reaches a result: it becomes the dtype it means on this machine before any cell is keyed."""
-    from systems.hardware import dtype_name
+    from systems.hardware import dtype_name, emulated_dtype_note
 
     check_dtype(cfg)
     cfg.model.dtype = dtype_name(cfg.model.dtype)
+    note = emulated_dtype_note(cfg.model.dtype)
+    if note:
+        print(note, file=sys.stderr)
 
 
 def check_writable(out_dir: Path) -> None:
