@@ -217,8 +217,13 @@ def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
         if model_folder is not None:
             check_dims(cell.system, model_folder, cfg.model.max_model_len)
         t = cell.task
-        load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
-                  fraction=t.fraction)
+        task = load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
+                         fraction=t.fraction)
+        longest = task.longest_prompt_tokens()
+        if longest is not None and longest > cfg.model.max_input_tokens:
+            raise UserError(f"task {t.name} builds prompts of up to {longest} tokens > model.max_input_tokens="
+                            f"{cfg.model.max_input_tokens}: raise model.max_input_tokens (and model.max_model_len "
+                            "above it) or drop the longest task.params.lengths")
     if cfg.model.max_input_tokens <= 0 or cfg.model.max_input_tokens >= cfg.model.max_model_len:
         raise UserError(f"model.max_input_tokens={cfg.model.max_input_tokens} must be in (0, model.max_model_len="
                         f"{cfg.model.max_model_len})")

@@ -66,6 +66,11 @@ class Task:
         scores = [r["score"] for r in rows]
         return {"score": sum(scores) / len(scores) if scores else float("nan"), "n": len(scores)}
 
+    def longest_prompt_tokens(self) -> int | None:
+        """The most prompt tokens this task's samples can have where it sizes prompts itself to token lengths, so
+        a model limit below it fails at validation, not hours into a run; None where prompts come as they are."""
+        return None
+
     # -- shared ---------------------------------------------------------------------------------
     def samples(self, tokenizer) -> list[Sample]:
         """All samples, then a deterministic subset by seed when `limit` or `fraction` is set."""

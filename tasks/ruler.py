@@ -154,6 +154,10 @@ class Ruler(Task):
                 out += self._task_samples(task, int(length), count, tokenizer)
         return out
 
+    def longest_prompt_tokens(self) -> int:
+        """A length counts generation too: its prompts hold up to length - tokens_to_generate tokens."""
+        return max(int(n) - TOKENS_TO_GENERATE[kind_of(t)] for t in self.params.tasks for n in self.params.lengths)
+
     def _task_samples(self, task: str, length: int, count, tokenizer) -> list[Sample]:
         kind, n = kind_of(task), self.params.num_samples
         ttg = TOKENS_TO_GENERATE[kind]

@@ -70,6 +70,7 @@ def test_appended_unknown_keys_rejected(overrides):
     (["task.family=nosuchfamily"], "unknown task family"),
     (["system.backend=tpu"], "unknown backend"),
     (["model.max_input_tokens=9000"], "max_input_tokens"),
+    (["task=ruler", "task.params.lengths=[1024,8192]"], "builds prompts of up to 8162 tokens"),
 ])
 def test_validate_rejects(overrides, needle):
     cfg = _compose(overrides)

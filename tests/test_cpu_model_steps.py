@@ -83,7 +83,7 @@ def test_model_forward_with_fused_steps_matches_torch_steps(tiny_llama_dir, dtyp
 @pytest.mark.parametrize("rows", [1, 5, 16, 300])
 def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
     """The oneDNN-prepacked copy of a bf16 weight gives F.linear's bits at every row count (with and without a
-    bias), so packing changes speed only."""
+    bias), so packing changes speed only; a CPU whose oneDNN has no bf16 kernels (AVX2-only) keeps F.linear."""
     from systems.engine.models.linear import Linear
 
     g = torch.Generator().manual_seed(rows)
@@ -91,8 +91,10 @@ def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
     x = torch.randn(rows, 96, generator=g).bfloat16()
     for b in (None, bias):
         linear = Linear(weight, b)
-        if torch.backends.mkldnn.is_available():
+        if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             assert linear.packed is not None and linear.weight is None
+        else:
+            assert linear.packed is None and linear.weight is not None
         assert torch.equal(linear(x), F.linear(x, weight, b))
         padded = torch.cat([x, x.new_zeros(-rows % 16, 96)])
         assert torch.equal(linear(x, tile=16), torch.cat([F.linear(c, weight, b) for c in padded.split(16)])[:rows])
