@@ -54,6 +54,11 @@ class Workspace:
         if key not in self._prepared:
             task = load_task(task_cfg.family, task_cfg.name, OmegaConf.to_container(task_cfg.params), seed=cfg.seed,
                              limit=task_cfg.limit, fraction=task_cfg.fraction)
+            longest = task.longest_prompt_tokens()     # before building hours of 128k prompts, not after
+            if longest is not None and longest > cfg.model.max_input_tokens:
+                raise UserError(f"task {task_cfg.name} builds prompts of up to {longest} tokens > model."
+                                f"max_input_tokens={cfg.model.max_input_tokens}: raise model.max_input_tokens (and "
+                                "model.max_model_len above it) or drop the longest task.params.lengths")
             samples = task.samples(self.tokenizer)
             prompts = render_all(samples, self.tokenizer, cfg.model.max_input_tokens, cfg.model.max_model_len)
             self._prepared[key] = (task, samples, prompts)

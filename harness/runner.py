@@ -7,7 +7,6 @@ import importlib
 import importlib.util
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,13 +216,8 @@ def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
         if model_folder is not None:
             check_dims(cell.system, model_folder, cfg.model.max_model_len)
         t = cell.task
-        task = load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
-                         fraction=t.fraction)
-        longest = task.longest_prompt_tokens()
-        if longest is not None and longest > cfg.model.max_input_tokens:
-            raise UserError(f"task {t.name} builds prompts of up to {longest} tokens > model.max_input_tokens="
-                            f"{cfg.model.max_input_tokens}: raise model.max_input_tokens (and model.max_model_len "
-                            "above it) or drop the longest task.params.lengths")
+        load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
+                  fraction=t.fraction)
     if cfg.model.max_input_tokens <= 0 or cfg.model.max_input_tokens >= cfg.model.max_model_len:
         raise UserError(f"model.max_input_tokens={cfg.model.max_input_tokens} must be in (0, model.max_model_len="
                         f"{cfg.model.max_model_len})")
@@ -238,13 +232,10 @@ def check_dtype(cfg: DictConfig) -> None:
 
 def pin_dtype(cfg: DictConfig) -> None:
     """`auto` never reaches a result: it becomes the dtype it means on this machine before any cell is keyed."""
-    from systems.hardware import dtype_name, emulated_dtype_note
+    from systems.hardware import dtype_name
 
     check_dtype(cfg)
     cfg.model.dtype = dtype_name(cfg.model.dtype)
-    note = emulated_dtype_note(cfg.model.dtype)
-    if note:
-        print(note, file=sys.stderr)
 
 
 def check_writable(out_dir: Path) -> None:

@@ -92,22 +92,6 @@ def resolve_dtype(dtype: str, device: str | torch.device = "cpu") -> torch.dtype
     return torch.bfloat16 if cpu_matrix_isa() in ("amx-bf16", "avx512-bf16") else torch.float32
 
 
-def emulated_dtype_note(dtype: str, device: str | torch.device | None = None) -> str | None:
-    """One line when `dtype` is bf16 on a CPU with no bf16 matrix instructions (AVX2-only, plain AVX512): oneDNN then
-    converts every GEMM, so a run is several times slower than fp32 on the same machine (a 1k-token SmolLM2 prefill
-    took 14 s in bf16 and 2.4 s in fp32 on an AVX2-only AMD EPYC). None where bf16 is native or not asked for; the
-    device defaults to the one the engine picks."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if resolve_dtype(dtype, device) != torch.bfloat16 or torch.device(device).type != "cpu":
-        return None
-    isa = cpu_matrix_isa()
-    if isa in ("amx-bf16", "avx512-bf16"):
-        return None
-    return (f"note: model.dtype=bfloat16 on a CPU without bf16 matrix instructions ({isa}) runs emulated, several "
-            "times slower than float32 here; model.dtype=float32 is faster but its numbers are fp32's, not those of "
-            "a bf16 summary")
-
-
 def dtype_bytes(dtype: str, device: str | torch.device = "cpu") -> int:
     """Bytes per element of the dtype a name resolves to on this machine."""
     return torch.empty((), dtype=resolve_dtype(dtype, device)).element_size()

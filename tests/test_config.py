@@ -70,7 +70,6 @@ def test_appended_unknown_keys_rejected(overrides):
     (["task.family=nosuchfamily"], "unknown task family"),
     (["system.backend=tpu"], "unknown backend"),
     (["model.max_input_tokens=9000"], "max_input_tokens"),
-    (["task=ruler", "task.params.lengths=[1024,8192]"], "builds prompts of up to 8162 tokens"),
 ])
 def test_validate_rejects(overrides, needle):
     cfg = _compose(overrides)
@@ -129,20 +128,3 @@ def test_a_budget_a_policy_cannot_run_at_is_left_out_and_named():
     with pytest.raises(UserError, match="engine-lserve runs at none of"):
         by_budget(cfg, cells, [32], None)
 
-
-@pytest.mark.parametrize("isa, dtype, noted", [("avx2", "bfloat16", True), ("avx512", "bf16", True),
-                                               ("avx512-bf16", "bfloat16", False), ("amx-bf16", "bfloat16", False),
-                                               ("avx2", "float32", False), ("avx2", "auto", False)])
-def test_emulated_bf16_is_named_before_a_run(monkeypatch, capsys, isa, dtype, noted):
-    """bf16 on a CPU without bf16 matrix instructions is several times slower than fp32: the run says so at start,
-    and `auto` never chooses it there."""
-    from harness.runner import pin_dtype
-    from systems import hardware
-
-    monkeypatch.setattr(hardware, "cpu_matrix_isa", lambda flags=None: isa)
-    monkeypatch.setattr(hardware.torch.cuda, "is_available", lambda: False)
-    cfg = _compose([f"model.dtype={dtype}"])
-    pin_dtype(cfg)
-    err = capsys.readouterr().err
-    assert ("model.dtype=float32" in err) is noted
-    assert err.count("\n") == (1 if noted else 0)

@@ -95,7 +95,34 @@ def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
             assert linear.packed is not None and linear.weight is None
         else:
             assert linear.packed is None and linear.weight is not None
+            linear.wide = None          # the widened fp32 path has its own test below
         assert torch.equal(linear(x), F.linear(x, weight, b))
         padded = torch.cat([x, x.new_zeros(-rows % 16, 96)])
         assert torch.equal(linear(x, tile=16), torch.cat([F.linear(c, weight, b) for c in padded.split(16)])[:rows])
     assert Linear(weight.float()).packed is None        # fp32 keeps F.linear (MKL's kernel, not oneDNN's)
+
+
+def test_emulated_bf16_runs_as_an_fp32_gemm_of_the_same_values(monkeypatch):
+    """Where oneDNN has no bf16 kernels, prompt-sized GEMMs run in fp32 on the bf16 values and round once: a bf16
+    GEMM with fp32 accumulation (within one bf16 rounding of the exact result); few rows keep the bf16 weight; and a
+    row's result never depends on what shares its tile."""
+    from systems.engine.models import linear as lin
+
+    monkeypatch.setattr(lin, "emulates_bf16", lambda w: w.dtype == torch.bfloat16)
+    monkeypatch.setattr(lin, "prepacked", lambda w, b: None)
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(320, 96, generator=g).bfloat16(), torch.randn(320, generator=g).bfloat16()
+    layer = lin.Linear(weight, bias)
+    assert layer.wide is not None and layer.wide[0].dtype == torch.float32
+    few = torch.randn(lin.WIDEN_MIN_ROWS - 1, 96, generator=g).bfloat16()
+    assert torch.equal(layer(few), F.linear(few, weight, bias))
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x.float(), weight.float(), bias.float()).bfloat16())
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()     # one bf16 rounding
+    tiled = layer(x, tile=16)
+    other = torch.cat([x[:16], torch.randn(24, 96, generator=g).bfloat16()])
+    assert torch.equal(tiled[:16], layer(other, tile=16)[:16])
+    assert lin.Linear(weight, bias, prepack=False).wide is None        # the autograd path stays plain F.linear

@@ -4,7 +4,7 @@ import csv
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.runner import CONF_DIR, run
+from harness.runner import CONF_DIR, UserError, run
 from harness.schema import register
 
 register()  # the structured config schema `python -m harness` registers on import
@@ -138,6 +138,11 @@ def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
           if r["task"] == "AVERAGE" and r.get("device_kv_tokens")}
     assert 64 <= kv["engine-streaming"] <= 64 + 16 < kv["engine-dense"], kv
     assert "device KV (tokens / layer·head)" in md
+    # a length whose prompts exceed the model's input limit fails in one line before its prompts are built
+    with pytest.raises(UserError, match="builds prompts of up to 2018 tokens > model.max_input_tokens=1500"):
+        _run("ruler", tiny_llama_dir, tmp_path / "long", "exp.systems=[dense]", "exp.params.budget=64",
+             "exp.params.task_params.ruler.tasks=[vt]", "exp.params.task_params.ruler.lengths=[1024,2048]",
+             "model.max_input_tokens=1500")
 
 
 def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
