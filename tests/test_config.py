@@ -127,4 +127,3 @@ def test_a_budget_a_policy_cannot_run_at_is_left_out_and_named():
     assert why.startswith("engine-lserve at 32 (") and "multiple of physical_page=64" in why
     with pytest.raises(UserError, match="engine-lserve runs at none of"):
         by_budget(cfg, cells, [32], None)
-

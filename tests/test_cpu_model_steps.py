@@ -92,7 +92,7 @@ def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
     for b in (None, bias):
         linear = Linear(weight, b)
         if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            assert linear.packed is not None and linear.weight is None
+            assert linear.packed is not None and linear.weight is None and linear.wide is None
         else:
             assert linear.packed is None and linear.weight is not None
             linear.wide = None          # the widened fp32 path has its own test below
@@ -122,7 +122,13 @@ def test_emulated_bf16_runs_as_an_fp32_gemm_of_the_same_values(monkeypatch):
     assert torch.equal(out, F.linear(x.float(), weight.float(), bias.float()).bfloat16())
     exact = F.linear(x.double(), weight.double(), bias.double())
     assert ((out.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()     # one bf16 rounding
-    tiled = layer(x, tile=16)
-    other = torch.cat([x[:16], torch.randn(24, 96, generator=g).bfloat16()])
-    assert torch.equal(tiled[:16], layer(other, tile=16)[:16])
+    # batch-invariant mode: a row gives the same bits wherever it sits in its tile and whatever shares it, and
+    # every tile the engine uses is wide enough to take the widened path (no mix of paths within the mode)
+    from systems.engine.config import DECODE_TILE, PREFILL_TILE
+    assert min(DECODE_TILE, PREFILL_TILE) >= lin.WIDEN_MIN_ROWS
+    row = x[5:6]
+    alone = layer(row, tile=DECODE_TILE)
+    for others, at in ((x[:20], 0), (torch.randn(30, 96, generator=g).bfloat16(), 11), (x[20:], 17)):
+        batch = torch.cat([others[:at], row, others[at:]])
+        assert torch.equal(layer(batch, tile=DECODE_TILE)[at:at + 1], alone)
     assert lin.Linear(weight, bias, prepack=False).wide is None        # the autograd path stays plain F.linear
