@@ -87,7 +87,10 @@ def results_block(root: Path = ROOT) -> str:
         lines = (folder / "summary.md").read_text().splitlines()
         links = [f"[{f}](results/{name}/{f})" for f in ("summary.md", "summary.csv") if (folder / f).exists()]
         links += [f"[{text}](results/{name}/{f})" for f, text in EXTRA_LINKS.items() if (folder / f).exists()]
-        pngs = " ".join(f"![{p.name}](results/{name}/{p.name})" for p in sorted(folder.glob("*.png")))
+        text = "\n".join(lines)
+        # in the summary's own order, so the figure it leads with (its headline) leads here too
+        order = sorted(folder.glob("*.png"), key=lambda p: (text.find(f"({p.name})") % (len(text) + 1), p.name))
+        pngs = " ".join(f"![{p.name}](results/{name}/{p.name})" for p in order)
         parts += [f"### `{name}` — {_describe(name, root)}", "\n".join(_glance(lines)), " · ".join(links)]
         if pngs:
             parts.append(pngs)
