@@ -35,7 +35,7 @@ def test_quickstart_exp_composes():
     validate(cfg, cells)
     assert [c.system.name for c in cells][0] == "engine-dense"
     assert {c.system.name for c in cells} >= {"engine-flexicache", "engine-quest", "engine-cake", "engine-streaming"}
-    assert all(c.system.params.get("budget") == 128 for c in cells if c.system.name != "engine-dense")
+    assert all(c.system.params.get("budget") == 64 for c in cells if c.system.name != "engine-dense")
     # accuracy cells decode batch-invariantly, and the cell key says so
     assert all(c.system.engine.batch_invariant and "batch_invariant=True" in c.key for c in cells)
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from systems.engine.models.llama import LlamaModel, rotate_half
 from systems.engine.ops import cpu_kernels
+from systems.hardware import cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.toolchain(), reason="no C++ compiler: the torch path is used")
 
@@ -48,6 +49,21 @@ def test_bf16_norm_and_gate_equal_torch():
     for out, ref in ((got, want), (_ops().silu_mul(gate_up), F.silu(gate) * up)):
         assert (out != ref).float().mean() < 1e-3
         torch.testing.assert_close(out.float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.skipif(not ({"avx2"} <= cpu_flags() and "avx512_bf16" not in cpu_flags()),
+                    reason="the 8-lane gate is built only for AVX2 CPUs without AVX512-BF16")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_avx2_gate_computes_what_the_scalar_loop_computes(dtype):
+    """Rows of 15 values: lanes 0-7 take the 8-lane path, 8-14 the scalar loop; the same inputs in both places must
+    give the same bits, so the vector path changes speed only."""
+    g = torch.Generator().manual_seed(3)
+    gate = (4 * torch.randn(4096, 8, generator=g)).to(dtype)
+    gate[:7, 0] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, 87.5, -88.5]).to(dtype)   # clamps, zeros, tiny
+    up = torch.randn(4096, 8, generator=g).to(dtype)
+    gate_up = torch.cat([gate, gate[:, :7], up, up[:, :7]], dim=1)
+    out = _ops().silu_mul(gate_up)
+    assert torch.equal(out[:, 8:], out[:, :7])
 
 
 def test_fp32_steps_match_torch():

@@ -58,10 +58,57 @@ void add_rms_norm_rows(T* h, const T* delta, const T* weight, T* out, int64_t ro
   });
 }
 
+#if defined(__AVX2__) && !defined(KVH_HAVE_AVX512_BF16)
+#include <immintrin.h>
+#define KVH_HAVE_AVX2_GATE 1
+// 8-lane twins of exp_clamped, to_float and store, op for op (no fused multiply-add), so the gate computes on AVX2
+// exactly what the scalar loop computes, 8 values at a time.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(t, _mm256_set1_ps(0.5f)));
+  const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i bf16_bits8(__m256 x) {  // round to nearest even, in the low half of each 32-bit lane
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+}
+template <typename T>
+inline __m256 rounded8(__m256 x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(x), 16));
+}
+inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+inline void store8(uint16_t* p, __m256 x) {
+  const __m256i b = bf16_bits8(x);   // pack the eight 16-bit halves in order (the values fit, so no saturation)
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+#endif
+
 // out[i] = dtype(dtype(silu(g[i])) * u[i]) for i < n.
 template <typename T>
 inline void silu_mul_span(const T* g, const T* u, T* o, int64_t n) {
   int64_t i = 0;
+#ifdef KVH_HAVE_AVX2_GATE
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = load8(g + i);
+    const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)))));
+    store8(o + i, _mm256_mul_ps(rounded8<T>(s), load8(u + i)));
+  }
+#endif
 #ifdef KVH_HAVE_AVX512_BF16
   if constexpr (std::is_same_v<T, uint16_t>) {
     for (; i + 16 <= n; i += 16) {
