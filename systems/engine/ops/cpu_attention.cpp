@@ -29,16 +29,21 @@ using kvh::to_float;
 // e^x for x <= 0 (scores minus their running max)
 inline float exp_nonpos(float x) { return kvh::exp_clamped(x); }
 
+// The tokens of logical page `page` a query reads: from the first one in its window (tokens before `first` are
+// skipped) to the last one held. *token: index of the first read token in the pool; *valid: how many (<= 0: none).
+inline void page_span(int64_t block, int64_t page, int64_t n, int64_t first, int P, int64_t* token, int* valid) {
+  const int64_t lo = std::max<int64_t>(0, first - page * P);
+  *token = block * P + lo;
+  *valid = static_cast<int>(std::min<int64_t>(P, n - page * P) - lo);
+}
+
 // Every page of a head, in table order: page j holds min(P, n - j*P) tokens.
 struct AllPages {
   const int32_t* table;
-  int64_t n;
+  int64_t n, first;
   int P;
   int64_t count() const { return (n + P - 1) / P; }
-  void at(int64_t j, int64_t* block, int* valid) const {
-    *block = table[j];
-    *valid = static_cast<int>(std::min<int64_t>(P, n - j * P));
-  }
+  void at(int64_t j, int64_t* token, int* valid) const { page_span(table[j], j, n, first, P, token, valid); }
 };
 
 // Only the selected logical pages (any order, entries < 0 are padding): softmax does not care about order, so
@@ -47,17 +52,16 @@ struct SelectedPages {
   const int64_t* selected;
   int64_t K;
   const int32_t* table;
-  int64_t n;
+  int64_t n, first;
   int P;
   int64_t count() const { return K; }
-  void at(int64_t j, int64_t* block, int* valid) const {
+  void at(int64_t j, int64_t* token, int* valid) const {
     const int64_t page = selected[j];
     if (page < 0) {
       *valid = 0;
       return;
     }
-    *block = table[page];
-    *valid = static_cast<int>(std::min<int64_t>(P, n - page * P));
+    page_span(table[page], page, n, first, P, token, valid);
   }
 };
 
@@ -76,11 +80,11 @@ void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const 
   }
   const int64_t pages = list.count();
   for (int64_t j = 0; j < pages; ++j) {
-    int64_t block = 0;
+    int64_t token = 0;
     int valid = 0;
-    list.at(j, &block, &valid);
+    list.at(j, &token, &valid);
     if (valid <= 0) continue;
-    const int64_t base = block * P * D;
+    const int64_t base = token * D;
     const T* kp = k_pool + base;
     const T* vp = v_pool + base;
     for (int t = 0; t < valid; ++t) {
@@ -147,16 +151,16 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
     l[g] = 0.0f;
   }
   const int64_t pages = list.count();
-  int64_t block = 0, next_block = 0;
+  int64_t token = 0, next_token = 0;
   int valid = 0, next_valid = 0;
-  if (pages) list.at(0, &next_block, &next_valid);
+  if (pages) list.at(0, &next_token, &next_valid);
   for (int64_t j = 0; j < pages; ++j) {
-    block = next_block;
+    token = next_token;
     valid = next_valid;
     if (j + 1 < pages) {  // prefetch the next page: pages are scattered blocks, beyond the hardware prefetcher
-      list.at(j + 1, &next_block, &next_valid);
+      list.at(j + 1, &next_token, &next_valid);
       if (next_valid > 0) {
-        const int64_t next = next_block * P * D;
+        const int64_t next = next_token * D;
         for (int off = 0; off < next_valid * D; off += 32) {
           _mm_prefetch(reinterpret_cast<const char*>(k_pool + next + off), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(v_pool + next + off), _MM_HINT_T0);
@@ -164,7 +168,7 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
       }
     }
     if (valid <= 0) continue;
-    const int64_t base = block * P * D;
+    const int64_t base = token * D;
     for (int c0 = 0; c0 < valid; c0 += 16) {
       const int nc = std::min(16, valid - c0);
       const uint16_t* kp = k_pool + base + static_cast<int64_t>(c0) * D;
@@ -221,8 +225,12 @@ struct Listing {
   const int64_t* selected;   // [rows, K] or null: all pages
   int64_t M, K;
   int P;
-  AllPages all(int64_t i) const { return AllPages{table + i * M, counts[i], P}; }
-  SelectedPages chosen(int64_t i) const { return SelectedPages{selected + i * K, K, table + i * M, counts[i], P}; }
+  int64_t window;            // sliding window (keys a query sees, itself included); 0: unbounded
+  int64_t first(int64_t i) const { return window > 0 ? std::max<int64_t>(0, counts[i] - window) : 0; }
+  AllPages all(int64_t i) const { return AllPages{table + i * M, counts[i], first(i), P}; }
+  SelectedPages chosen(int64_t i) const {
+    return SelectedPages{selected + i * K, K, table + i * M, counts[i], first(i), P};
+  }
 };
 
 template <typename T, int D>
@@ -253,7 +261,7 @@ void dispatch_generic(int64_t D, const float* q, const T* k, const T* v, const L
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& block_table, const at::Tensor& num_tokens,
-                            const c10::optional<at::Tensor>& selected, double scale) {
+                            const c10::optional<at::Tensor>& selected, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && block_table.dim() == 3, "decode attention: bad ranks");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "decode attention: pools must be contiguous");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode attention: K/V dtypes differ");
@@ -268,7 +276,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   TORCH_CHECK(num_tokens.min().item<int>() >= 1, "decode attention: every head needs at least one token");
   at::Tensor table = block_table.contiguous(), counts = num_tokens.contiguous();
   at::Tensor sel;
-  Listing ls{table.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), nullptr, table.size(2), 0, P};
+  Listing ls{table.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), nullptr, table.size(2), 0, P, window};
   if (selected.has_value()) {
     sel = selected->to(at::kLong).contiguous();
     TORCH_CHECK(sel.dim() == 3 && sel.size(0) == B && sel.size(1) == Hkv, "decode attention: selected [B, Hkv, K]");
@@ -317,5 +325,5 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 
 TORCH_LIBRARY(kvharness_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor num_tokens, "
-        "Tensor? selected, float scale) -> Tensor", &decode_attention);
+        "Tensor? selected, float scale, int window=0) -> Tensor", &decode_attention);
 }
