@@ -122,7 +122,7 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granul
 
 def _analytic_blocks(policy, pages):
     n_unstable = int(policy.unstable.sum())
-    return n_unstable * pages + (LAYERS * KV_HEADS - n_unstable) * min(pages, policy.top_k + 1)
+    return n_unstable * pages + (LAYERS * KV_HEADS - n_unstable) * min(pages, policy.top_k)
 
 
 def test_flexicache_device_blocks_equal_analytic_count(tiny_dir):
@@ -141,6 +141,37 @@ def test_flexicache_device_blocks_equal_analytic_count(tiny_dir):
     assert abs(stats["device_kv_bytes"] - stats["analytic_device_kv_bytes"]) <= LAYERS * KV_HEADS * block
     assert stats["reranks"] >= 30 // 4 and stats["promoted_pages"] == stats["bytes_host_to_device"] // block
     assert stats["offloaded_pages"] > 0 and stats["minmax_bytes"] > 0
+
+
+def test_flexicache_heads_read_k_pages_counting_the_last(tiny_dir):
+    """The official scorer's rule: the last page holds a sentinel score, then the top K; so an unstable head reads K
+    pages, the last among them, and a stable head holds K right after prefill and after each rerank."""
+    policy = load_policy("flexicache", dict(budget=2 * P, **FLEXI))
+    engine = _engine(tiny_dir, policy)
+    K, select, reads = policy.top_k, policy.select_pages, []
+
+    def spy(kv, step):
+        pages = select(kv, step)
+        if pages is not None:
+            n = selection.pages_of(kv.num_tokens[step.slots, step.layer], P)
+            for heads in (policy._unstable_heads[step.layer], policy._stable_heads[step.layer]):
+                chosen = pages[:, heads]
+                reads.append(((chosen >= 0).sum(-1), (chosen == (n[:, heads] - 1).unsqueeze(-1)).any(-1),
+                              heads is policy._unstable_heads[step.layer]))
+        return pages
+    policy.select_pages = spy
+    seq = engine.add_request(GenerationRequest("a", _prompts([70])[0], 9, ignore_eos=True))
+    engine.step()                                                      # prefill: stable heads keep K pages
+    table = engine.kv.block_table[seq.slot]
+    for layer in range(LAYERS):
+        for h in policy._stable_heads[layer].tolist():
+            assert int((table[layer, h] != 0).sum()) == K and bool(table[layer, h, -(-70 // P) - 1] != 0)
+    while not engine.step():
+        pass
+    unstable = [(count, last) for count, last, is_unstable in reads if is_unstable and count.numel()]
+    assert unstable and all(bool((c == K).all()) and bool(last.all()) for c, last in unstable)
+    # stable heads read what they hold: K, or K + the page begun since the last rerank
+    assert all(bool(((c >= K) & (c <= K + 1)).all()) and bool(last.all()) for c, last, u in reads if not u)
 
 
 def test_capped_pool_admits_more_flexicache_requests_than_dense(tiny_dir):
@@ -190,8 +221,8 @@ def test_a_promotion_moves_exactly_the_set_difference(tiny_dir):
 
 
 @pytest.mark.parametrize("name,params,blocks", [
-    ("flexicache", dict(budget=2 * P, **FLEXI), 130),
-    ("flexicache", dict(budget=3 * P, naive=True, **FLEXI), 110),
+    ("flexicache", dict(budget=2 * P, **FLEXI), 115),
+    ("flexicache", dict(budget=3 * P, naive=True, **FLEXI), 105),
     ("quest", dict(budget=2 * P), 300),
     ("lserve", dict(budget=4 * P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
                     streaming_heads=[[0, 1], [2, 0], [3, 1]]), 200),
