@@ -61,7 +61,7 @@ FLEXI = dict(rerank_interval=4, unstable_heads=[[1, 0], [3, 1]])
 
 
 @pytest.mark.parametrize("name,params", [
-    ("quest", dict(budget=512, skip_layers=0)),
+    ("quest", dict(budget=512, skip_layers=0, selection_rule="efficiency_kernels")),
     ("flexicache", dict(budget=512, **FLEXI)),
     ("flexicache", dict(budget=512, naive=True, **FLEXI)),
     ("lserve", dict(budget=512, sink_tokens=8, local_tokens=16, streaming_heads=[], physical_page=16)),
@@ -74,17 +74,20 @@ def test_budget_at_least_context_gives_exactly_dense(tiny_dir, name, params):
     assert seqs[0].kv_stats["policy"] == name
 
 
+@pytest.mark.parametrize("rule", ["accuracy_path", "efficiency_kernels"])
 @pytest.mark.parametrize("granularity", ["query_head", "kv_head"])
-def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granularity):
-    policy = load_policy("quest", dict(budget=3 * P, skip_layers=1, granularity=granularity))
+def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granularity, rule):
+    policy = load_policy("quest", dict(budget=3 * P, skip_layers=1, granularity=granularity, selection_rule=rule))
     engine = _engine(tiny_dir, policy)
     seen = []
     select = policy.select_pages
 
     def spy(kv, step):
         chosen = select(kv, step)
+        heads = policy._query_heads if granularity == "query_head" else None
+        scores = kv.score_pages(step.slots, step.layer, step.q, heads=heads)
         seen.append((step.layer, step.slots.tolist(), chosen,
-                     selection.pages_of(kv.num_tokens[step.slots, step.layer], P)))
+                     selection.pages_of(kv.num_tokens[step.slots, step.layer], P), scores))
         return chosen
     policy.select_pages = spy
     counted, reset = {}, policy.reset
@@ -95,8 +98,8 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granul
         reset(slot)
     policy.reset = reset_spy
     _generate(engine, _prompts([50, 31]), max_new=6)
-    read, per_head_sets = {}, 0
-    for layer, slots, chosen, num_pages in seen:
+    read, per_head_sets, last_skipped = {}, 0, 0
+    for layer, slots, chosen, num_pages, scores in seen:
         if chosen is None:
             per_row = num_pages.sum(-1)
         else:                                   # a KV head reads the union of its query heads' sets
@@ -114,10 +117,42 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granul
         heads = 4 if granularity == "query_head" else 2                  # the tiny model: 4 query / 2 KV heads
         assert chosen is not None and chosen.shape[1:] == (heads, 3)
         last = (num_pages - 1).repeat_interleave(heads // 2, 1).unsqueeze(-1)
-        assert bool((chosen == last).any(-1).all())                    # the last page is always read
+        has_last = (chosen == last).any(-1)
+        if rule == "efficiency_kernels":
+            assert bool(has_last.all())                                  # the last page is always read
+        else:                                                            # the 3 best of all pages, last included
+            best = scores.topk(3, dim=-1).values[..., -1:]
+            assert bool((scores.gather(-1, chosen) >= best).all())
+            last_skipped += int((~has_last).sum())
     # the counters behind kv_stats' mean_pages_read count exactly the pages the engine read
     assert {s: counted[s] for s in read} == read
     assert (per_head_sets > 0) == (granularity == "query_head")     # query heads of a group choose differently
+    assert (last_skipped > 0) == (rule == "accuracy_path")           # the accuracy path may leave the last page out
+
+
+def test_quest_accuracy_path_reads_kv_len_over_page_pages_below_the_budget(tiny_dir):
+    """Below the budget the accuracy path reads min(max(3, kv_len // page), pages): with a partial last page that is
+    one page less than the head holds, so it is not dense; the efficiency kernels' rule is dense there."""
+    accuracy = load_policy("quest", dict(budget=64 * P, skip_layers=0))
+    kernels = load_policy("quest", dict(budget=64 * P, skip_layers=0, selection_rule="efficiency_kernels"))
+    picks: dict[str, list] = {"accuracy": [], "kernels": []}
+    for name, policy in (("accuracy", accuracy), ("kernels", kernels)):
+        select = policy.select_pages
+
+        def spy(kv, step, select=select, name=name):
+            chosen = select(kv, step)
+            picks[name].append((step.seqs[0].seq_len, chosen))
+            return chosen
+        policy.select_pages = spy
+        _generate(_engine(tiny_dir, policy), _prompts([30]), max_new=3)
+    assert all(chosen is None for _, chosen in picks["kernels"])
+    for seq_len, chosen in picks["accuracy"]:
+        want = max(3, seq_len // P)
+        if want >= -(-seq_len // P):
+            assert chosen is None
+        else:
+            assert chosen is not None and bool(((chosen >= 0).sum(-1) == want).all())
+    assert any(chosen is not None for _, chosen in picks["accuracy"])
 
 
 def _analytic_blocks(policy, pages):
