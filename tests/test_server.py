@@ -122,7 +122,8 @@ def test_models_and_health(client, server):
     assert entry["parent"] is None
     snap = health(server)
     assert snap["status"] == "ok"
-    assert set(snap["requests"]) == {"received", "completed", "rejected", "invalid", "failed", "aborted"}
+    assert set(snap["requests"]) == {"received", "completed", "rejected", "invalid", "too_large", "failed",
+                                     "aborted"}
     metrics = httpx.get(server.url + "/metrics").text
     assert f"kvharness_requests_completed_total {snap['requests']['completed']}" in metrics
 
