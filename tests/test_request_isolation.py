@@ -32,9 +32,9 @@ POLICIES = {
 POISON = "poisoned"
 
 
-def _engine(path, name: str) -> Engine:
+def _engine(path, name: str, device_blocks: int = 4096) -> Engine:
     block_bytes = 2 * P * 16 * 4                                    # K + V, one page of one head, fp32
-    cfg = SimpleNamespace(page_size=P, device_memory_gb=4096 * block_bytes / 2 ** 30,
+    cfg = SimpleNamespace(page_size=P, device_memory_gb=device_blocks * block_bytes / 2 ** 30,
                           host_memory_gb=4096 * block_bytes / 2 ** 30, max_num_seqs=4, max_num_batched_tokens=512)
     return Engine(str(path), load_policy(name, POLICIES[name]), cfg, dtype="float32")
 
@@ -108,6 +108,17 @@ def test_generate_finishes_the_others_then_names_the_failed_request(tiny_llama_d
     reqs = [*_requests(), GenerationRequest(POISON, [5, 6, 7], 4)]
     with pytest.raises(RuntimeError, match=f"1 of 4 requests failed; the first, request {POISON}: RuntimeError"):
         engine.generate(reqs)
+    assert engine.kv.free_device_blocks() == engine.kv.device_blocks.capacity
+
+
+def test_a_request_too_big_for_the_device_tier_fails_alone(tiny_llama_dir):
+    engine = _engine(tiny_llama_dir, "dense", device_blocks=65)     # 64 blocks: 16 pages of 2 layers x 2 heads
+    small = [GenerationRequest(f"small{i}", [5 + i] * 10, 8, ignore_eos=True) for i in range(2)]
+    big = GenerationRequest("big", list(range(5, 105)), 4, ignore_eos=True)          # 100 tokens: 100 blocks
+    seqs = [engine.add_request(r) for r in (small[0], big, small[1])]
+    engine.run()
+    assert seqs[1].finish_reason == "error" and "engine.device_memory_gb" in seqs[1].error
+    assert [s.num_output_tokens for s in (seqs[0], seqs[2])] == [8, 8]
     assert engine.kv.free_device_blocks() == engine.kv.device_blocks.capacity
 
 

@@ -117,9 +117,9 @@ class Scheduler:
         tokens = reserved = 0
         headroom = self.blocks_per_page_row * len(self.running)   # next decode pages of the running sequences
         headroom += self.pending_prefill_blocks()
+        if self.suspects:       # a suspect waits for room (_schedule_suspect): newcomers must not take it first
+            return batch
         for seq in list(self.waiting):
-            if seq in self.suspects:          # it runs alone (_schedule_suspect)
-                continue
             if seq.arrival_time > now or len(self.running) + len(batch) >= self.max_num_seqs:
                 break
             n = len(seq.token_ids)
