@@ -11,10 +11,15 @@ output positions the policy's next-token distribution q is compared with the ref
   both by teacher forcing the tokenized answer after the prompt, in nats per answer.
 
 Per sample these are stored in predictions.jsonl (`fid_top1`, `fid_kl`, `fid_steps`, `gold_loglik`); summaries
-average them over samples with bootstrap intervals. The reference's full log-probabilities (fp16, `steps` × vocab
-per sample) are written by the reference cell into `<reference cell>/reference_logprobs/`, where every policy cell
+average them over samples with bootstrap intervals. The reference's full log-probabilities (`steps` × vocab per
+sample) are written by the reference cell into `<reference cell>/reference_logprobs/`, where every policy cell
 of the same task reads them; a policy whose greedy output equals the reference's over those positions already has
 its distributions from generation, so only diverging samples pay for a forced pass.
+
+They are stored exactly as the system returned them (fp32: 32 steps × 49,152 entries = 6.3 MB per sample for
+SmolLM2), not rounded to fp16: rounding put a floor of about 8e-5 nats under every KL, so a policy identical to the
+reference could not be told from a slightly different one. Stored exactly, the reference against itself gives
+KL = 0.0 and top-1 agreement 1.0, bit for bit. Files written in fp16 by earlier versions still load.
 """
 from __future__ import annotations
 
@@ -54,7 +59,9 @@ def save_reference(folder: Path, sample_id: str, token_ids: Sequence[int], logpr
     folder.mkdir(parents=True, exist_ok=True)
     path = _path(folder, sample_id)
     tmp = path.with_suffix(".tmp")
-    torch.save({"id": sample_id, "ids": list(token_ids), "logprobs": logprobs.to(torch.float16)}, tmp)
+    # exact, never rounded (see the module docstring); contiguous, so a slice does not drag its whole storage along
+    torch.save({"id": sample_id, "ids": list(token_ids), "logprobs": logprobs.detach().cpu().contiguous().clone()},
+               tmp)
     tmp.replace(path)
 
 
@@ -74,7 +81,10 @@ def compare(ref_ids: Sequence[int], ref_logprobs: torch.Tensor, argmax_ids: Sequ
         return {}
     p_log = ref_logprobs[:m].float()
     q_log = logprobs[:m].float()
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1).clamp(min=0.0)     # fp16 storage can round a 0 to -1e-6
+    # equal entries add exactly 0 (also where both are -inf, which would otherwise be nan), and so do p = 0 entries
+    diff = torch.where(p_log == q_log, torch.zeros_like(p_log), p_log - q_log)
+    terms = torch.where(p_log == float("-inf"), torch.zeros_like(p_log), p_log.exp() * diff)
+    kl = terms.sum(-1).clamp(min=0.0)        # rounding in the sum can leave a tiny negative for near-equal rows
     agree = [int(a) == int(r) for a, r in zip(argmax_ids[:m], ref_ids[:m])]
     return {"fid_top1": sum(agree) / m, "fid_kl": float(kl.mean()), "fid_steps": m}
 

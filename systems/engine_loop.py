@@ -2,6 +2,11 @@
 
 The engine is not thread-safe, so every engine call happens on this one thread; the HTTP side (systems.server)
 talks to it only through submit/abort and each request's asyncio queue.
+
+One request's failure is its own: the engine finishes a failing sequence with finish_reason "error" and goes on
+with the rest of the batch (Engine.step), and this loop posts that error to that request alone. A request the
+engine refuses at add_request (a value the HTTP checks missed) gets ('invalid', msg) and never joins a batch. Only a
+failure outside any one sequence (a bug in the step itself) still fails every live request.
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
 
 @dataclass
 class Live:
-    """A request between HTTP and engine: the engine thread posts ('tokens', ids, finish) or ('error', msg)."""
+    """A request between HTTP and engine: the engine thread posts ('tokens', ids, finish), ('error', msg) or
+    ('invalid', msg)."""
 
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
@@ -39,7 +45,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._live: dict[str, Live] = {}
         self._stop = False
-        self.last_error = ""      # the latest failed step: its requests got a 500, the loop kept serving
+        self.last_error = ""      # the latest failure (one request's, or a whole step's); the loop kept serving
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -100,6 +106,9 @@ class EngineLoop:
                 continue
             try:
                 live.seq = self.engine.add_request(live.request, arrival_time=live.request.arrival_time)
+            except ValueError as exc:         # the engine's own gate: the request is refused, the batch untouched
+                self._post(live, ("invalid", str(exc)))
+                continue
             except Exception as exc:  # noqa: BLE001 - the request is refused, the engine is untouched
                 self._post(live, ("error", f"{type(exc).__name__}: {exc}"))
                 continue
@@ -109,6 +118,11 @@ class EngineLoop:
         for rid, live in list(self._live.items()):
             seq = live.seq
             assert seq is not None          # only admitted requests are live
+            if seq.finish_reason == "error":     # failed alone: its error goes to its client only
+                self.last_error = seq.error
+                self._post(live, ("error", seq.error))
+                del self._live[rid]
+                continue
             n = seq.num_output_tokens
             finished = seq.status is Status.FINISHED
             if n > live.sent or finished:

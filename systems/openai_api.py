@@ -5,16 +5,27 @@ Accepted as in vLLM's server: `prompt` as text, token ids, or a one-element list
 `stream_options.include_usage`. Fields a client may send at their neutral value (n=1, logprobs=None,
 echo=false, penalties 0, repetition_penalty 1) are accepted; other values are refused with 400 rather than
 silently ignored, so a benchmark never measures something other than what it asked for.
+
+Every sampling value is checked before the engine sees it (finite, in range, integers where sizes are meant; `seed`
+within int64), so one client's value can never reach a batch it shares with others. `load_json` bounds nesting
+(a deep body is a 400, not a RecursionError), and a text prompt longer than the context could hold even at the
+vocabulary's longest token is refused by its length alone, before any tokenizing.
 """
 from __future__ import annotations
 
 import json
+import math
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from systems.engine.sampler import SEED_MAX, SEED_MIN
+
+MAX_JSON_DEPTH = 32        # the deepest body the API needs is 5 levels (messages -> content parts)
+MAX_STOP = 16              # stop strings per request: each is searched for after every token
 ROLES = ("system", "user", "assistant", "tool", "developer")
 NEUTRAL: dict[str, tuple[Any, ...]] = {
            "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
@@ -58,6 +69,8 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ApiError(f"{key} must be a number, got {value!r}", param=key)
+    if not math.isfinite(value):
+        raise ApiError(f"{key} must be a finite number, got {value!r}", param=key)
     if value > hi or value < lo or (lo_open and value == lo):
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
         raise ApiError(f"{key}={value} is outside {interval}", param=key)
@@ -82,7 +95,32 @@ def _token_ids(value: Any, vocab: int) -> list[int] | None:
     return None
 
 
-def completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
+def load_json(raw: bytes) -> Any:
+    """The parsed body; ApiError (400) for bad UTF-8, bad JSON, or nesting deeper than MAX_JSON_DEPTH."""
+    deep = ApiError(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels; send a flat OpenAI request")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise deep from None
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON; send a JSON object") from None
+    stack = [(body, 1)]
+    while stack:       # iterative: the check itself must not recurse
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        if children and depth >= MAX_JSON_DEPTH:
+            raise deep
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return body
+
+
+def _check_chars(n: int, max_chars: int | None, param: str) -> None:
+    if max_chars is not None and n > max_chars:
+        raise ApiError(f"the prompt has {n} characters, more than this model's context can hold even at its longest "
+                       "tokens; shorten the prompt", param=param)
+
+
+def completion_prompt(body: dict, tokenizer, vocab: int, max_chars: int | None = None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -93,6 +131,7 @@ def completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
         raise ApiError("batched prompts are not supported; send one prompt per request", param="prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ApiError("prompt must be a non-empty string or a list of token ids", param="prompt")
+    _check_chars(len(prompt), max_chars, "prompt")
     return tokenizer.encode(prompt, add_special_tokens=True)
 
 
@@ -107,7 +146,7 @@ def _content(message: dict, i: int) -> str:
     raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict, tokenizer, max_chars: int | None = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -116,6 +155,7 @@ def chat_prompt(body: dict, tokenizer) -> list[int]:
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise ApiError(f"messages[{i}] needs a role in {list(ROLES)}", param="messages")
         rendered.append({"role": m["role"], "content": _content(m, i)})
+    _check_chars(sum(len(m["content"]) for m in rendered), max_chars, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
     text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
@@ -130,11 +170,14 @@ def _stop(body: dict) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ApiError("stop must be a string or a list of strings", param="stop")
+    if len(stop) > MAX_STOP:
+        raise ApiError(f"stop holds {len(stop)} strings; send at most {MAX_STOP}", param="stop")
     return tuple(s for s in stop if s)
 
 
-def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str) -> Params:
-    """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix."""
+def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str, max_chars: int | None = None) -> Params:
+    """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix.
+    `max_chars`: the longest text prompt worth tokenizing (see max_prompt_chars); None tokenizes any."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = body.get("model")
@@ -144,8 +187,20 @@ def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str) -> Par
     for key, allowed in NEUTRAL.items():
         if key in body and body[key] not in allowed:
             raise ApiError(f"{key}={body[key]!r} is not supported by this server; drop it", param=key)
+    # the cheap checks first: a bad value costs no tokenizing
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+        raise ApiError(f"seed must be an integer in [-2**63, 2**63 - 1], got {seed!r}", param="seed")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or not stream):
+        raise ApiError("stream_options needs stream=true and must be an object", param="stream_options")
+    include_usage = _flag(options or {}, "include_usage")
+    stop, ignore_eos = _stop(body), _flag(body, "ignore_eos")
     vocab = engine.model.spec.vocab_size
-    ids = chat_prompt(body, tokenizer) if chat else completion_prompt(body, tokenizer, vocab)
+    ids = chat_prompt(body, tokenizer, max_chars) if chat else completion_prompt(body, tokenizer, vocab, max_chars)
     limit = engine.max_model_len
     if len(ids) >= limit:
         raise ApiError(f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} "
@@ -168,19 +223,36 @@ def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str) -> Par
         raise ApiError(f"the request needs {need} device KV blocks but the server's device tier holds {capacity}; "
                        f"lower {key}, shorten the prompt, or restart the server with a larger --device-memory-gb",
                        param=key)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(f"seed must be an integer, got {seed!r}", param="seed")
-    stream = _flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and (not isinstance(options, dict) or not stream):
-        raise ApiError("stream_options needs stream=true and must be an object", param="stream_options")
-    include_usage = _flag(options or {}, "include_usage")
     return Params(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                  seed=random.getrandbits(31) if seed is None else seed, stop=_stop(body),
-                  ignore_eos=_flag(body, "ignore_eos"), stream=stream, include_usage=include_usage)
+                  seed=random.getrandbits(31) if seed is None else seed, stop=stop,
+                  ignore_eos=ignore_eos, stream=stream, include_usage=include_usage)
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """A full context as JSON: 128 bytes per token covers escaped text and token-id lists; at least 1 MiB."""
+    return max(1 << 20, 128 * max_model_len)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse_chunk(request_id: str, model: str, chat: bool, choices: list, usage: dict | None = None) -> bytes:
+    """One server-sent event of a streamed completion (chat or text)."""
+    body: dict[str, Any] = {"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": int(time.time()), "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+
+
+def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """Characters beyond which a text prompt cannot fit max_model_len tokens: no token's text is longer than its
+    vocabulary string (byte-level BPE: one character per byte; SentencePiece: one per character), doubled for
+    normalizers that shorten text."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max_model_len * max(longest, 1)
 
 
 class Detokenizer:

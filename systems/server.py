@@ -13,7 +13,14 @@ vLLM's bench measures as ITL); the chunk carrying the last token also carries `f
 Overload: the server holds at most max_num_seqs (running slots) + `max_queue` (waiting) requests; beyond that
 it answers 503 with Retry-After instead of growing memory. A client that disconnects (its handler is cancelled,
 or a write fails) has its sequence taken out of the scheduler, freeing its KV blocks, at the engine's next turn.
-Bad bodies get 400 with an OpenAI-style JSON error naming the field, before the request reaches the engine.
+
+One client's bad input costs no one else anything. Bad bodies get 400 with an OpenAI-style JSON error naming the
+field before the request reaches the engine (the engine checks the sampling values again at add_request); a failure
+inside one sequence's step fails that request alone (Engine.step). A body over `max_body_bytes` is refused with 413
+from its Content-Length, or as soon as a chunked body passes the limit, without reading the rest; JSON parsing and
+tokenizing run on worker threads, so the event loop (and /health) stays responsive meanwhile. Every generation
+request ends in exactly one outcome counter (`received` = the sum of the others once none is in flight), and
+/metrics also counts every HTTP response by status code.
 """
 from __future__ import annotations
 
@@ -25,38 +32,49 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
+from systems import openai_api as api
 from systems.base import GenerationRequest
 from systems.engine_loop import EngineLoop, Live
 from systems.openai_api import ApiError, Detokenizer, Params, parse_body
 
 log = logging.getLogger("kvharness.server")
-MAX_BODY_BYTES = 16 << 20
+OUTCOMES = ("completed", "rejected", "invalid", "too_large", "failed", "aborted")
 
 
 class OpenAIServer:
     """The HTTP side: validation, admission (bounded queue), SSE framing, counters."""
 
-    def __init__(self, system, model_name: str, max_queue: int = 64, retry_after_s: int = 1):
+    def __init__(self, system, model_name: str, max_queue: int = 64, retry_after_s: int = 1,
+                 max_body_bytes: int | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
         self.system, self.model_name = system, model_name
         self.tokenizer = system.tokenizer
         self.engine = system.engine
         self.max_queue, self.retry_after_s = max_queue, retry_after_s
+        self.max_body_bytes = max_body_bytes or api.default_max_body_bytes(self.engine.max_model_len)
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1")
+        self.max_chars = api.max_prompt_chars(self.tokenizer, self.engine.max_model_len)
         self.loop = EngineLoop(self.engine)
+        # parsing and tokenizing off the event loop (HF tokenizers release the GIL while they encode)
+        self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-parse")
         self.in_flight = 0
         # Requests not yet admitted count as waiting only beyond the running slots, so a burst fills both.
         self.capacity = self.engine.scheduler.max_num_seqs + max_queue
-        self.counts = {"received": 0, "completed": 0, "rejected": 0, "invalid": 0, "failed": 0, "aborted": 0}
+        self.counts = {"received": 0, **dict.fromkeys(OUTCOMES, 0)}
+        self.http_status: Counter[int] = Counter()
         self.started = time.time()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        # +1: aiohttp refuses a body once it reaches client_max_size; max_body_bytes itself is allowed
+        app = web.Application(client_max_size=self.max_body_bytes + 1, middlewares=[self._count_status])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -70,6 +88,23 @@ class OpenAIServer:
 
     async def _stop_engine(self, app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+        self.workers.shutdown(wait=False, cancel_futures=True)
+
+    @web.middleware
+    async def _count_status(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every response counted by status; an unexpected exception becomes a JSON 500, never a bare traceback."""
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            self.http_status[exc.status] += 1
+            raise
+        except Exception:  # noqa: BLE001 - logged; the client gets a JSON 500
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            self.http_status[500] += 1
+            return ApiError("internal server error; see the server log", status=500,
+                            kind="internal_error").response()
+        self.http_status[resp.status] += 1
+        return resp
 
     # --- info routes -------------------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -82,12 +117,15 @@ class OpenAIServer:
 
     def snapshot(self) -> dict:
         kv = self.engine.kv
+        dev, host = kv.device_blocks, kv.host_blocks
         return {"status": "ok" if self.loop.healthy else "error", "model": self.model_name,
                 "policy": type(self.engine.policy).__name__, "requests": dict(self.counts),
                 "running": self.loop.num_running(), "waiting": max(self.in_flight - self.loop.num_running(), 0),
-                "max_queue": self.max_queue, "last_error": self.loop.last_error,
-                "kv": {"device_blocks_free": kv.free_device_blocks(),
-                       "device_blocks_total": kv.device_blocks.capacity}}
+                "max_queue": self.max_queue, "max_body_bytes": self.max_body_bytes, "last_error": self.loop.last_error,
+                # in-use counts of both tiers: a leak in either shows from outside as a count that never returns
+                "kv": {"device_blocks_free": dev.num_free, "device_blocks_used": dev.num_used,
+                       "device_blocks_total": dev.capacity, "host_blocks_free": host.num_free,
+                       "host_blocks_used": host.num_used, "host_blocks_total": host.capacity}}
 
     async def health(self, request: web.Request) -> web.Response:
         snap = self.snapshot()
@@ -102,6 +140,8 @@ class OpenAIServer:
             lines += [f"# TYPE kvharness_requests_{key} gauge", f"kvharness_requests_{key} {snap[key]}"]
         for key, value in snap["kv"].items():
             lines += [f"# TYPE kvharness_kv_{key} gauge", f"kvharness_kv_{key} {value}"]
+        lines.append("# TYPE kvharness_http_responses_total counter")
+        lines += [f'kvharness_http_responses_total{{code="{c}"}} {n}' for c, n in sorted(self.http_status.items())]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     # --- generation routes -------------------------------------------------------------------------------------
@@ -112,19 +152,51 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        """One generation request; whatever happens, exactly one outcome counter moves."""
         arrival = time.perf_counter()
         self.counts["received"] += 1
+        outcome = ["aborted"]        # set by _serve as it goes; stays "aborted" if the client leaves (cancelled)
         try:
-            try:
-                body = await request.json()
-            except (ValueError, UnicodeDecodeError):
-                raise ApiError("the request body is not valid JSON; send a JSON object") from None
-            params = parse_body(body, chat, self.tokenizer, self.engine, self.model_name)
+            return await self._serve(request, chat, arrival, outcome)
+        except ConnectionError:      # the client went away mid-write
+            outcome[0] = "aborted"
+            return web.Response(status=499)
+        except Exception:  # noqa: BLE001 - logged; this request alone gets a JSON 500
+            log.exception("request failed")
+            outcome[0] = "failed"
+            return ApiError("internal server error; see the server log", status=500,
+                            kind="internal_error").response()
+        finally:
+            self.counts[outcome[0]] += 1
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body, refused with 413 from its Content-Length or as soon as a chunked body passes the limit."""
+        declared = request.content_length
+        if declared is not None and declared > self.max_body_bytes:
+            raise ApiError(f"the request body has {declared} bytes, more than this server's limit of "
+                           f"{self.max_body_bytes}; shorten the prompt", status=413)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(f"the request body passed this server's limit of {self.max_body_bytes} bytes; "
+                           "shorten the prompt", status=413) from None
+
+    def _parse(self, raw: bytes, chat: bool) -> Params:
+        return parse_body(api.load_json(raw), chat, self.tokenizer, self.engine, self.model_name, self.max_chars)
+
+    async def _serve(self, request: web.Request, chat: bool, arrival: float, outcome: list[str]
+                     ) -> web.StreamResponse:
+        try:
+            raw = await self._read(request)
+            params = await asyncio.get_running_loop().run_in_executor(self.workers, self._parse, raw, chat)
         except ApiError as err:
-            self.counts["invalid"] += 1
-            return err.response()
+            outcome[0] = "too_large" if err.status == 413 else "invalid"
+            resp = err.response()
+            if err.status == 413:
+                resp.force_close()      # the rest of the body is never read: the connection cannot be reused
+            return resp
         if self.in_flight >= self.capacity:
-            self.counts["rejected"] += 1
+            outcome[0] = "rejected"
             return ApiError(f"server overloaded: {self.max_queue} requests already wait; retry later",
                             status=503, kind="server_overloaded").response(
                 headers={"Retry-After": str(self.retry_after_s)})
@@ -135,16 +207,14 @@ class OpenAIServer:
             stop=params.stop, arrival_time=arrival), asyncio.get_running_loop())
         self.in_flight += 1
         self.loop.submit(live)
-        outcome = "aborted"          # unless the response is written to the end (or the engine fails it)
+        outcome[0] = "aborted"          # unless the response is written to the end (or the engine fails it)
         try:
-            resp, outcome = await (self._stream(request, live, params, chat) if params.stream
-                                   else self._collect(live, params, chat))
-            return resp
-        except ConnectionError:      # the client went away mid-write
-            return web.Response(status=499)
+            result: tuple[web.StreamResponse, str] = await (
+                self._stream(request, live, params, chat) if params.stream else self._collect(live, params, chat))
+            outcome[0] = result[1]
+            return result[0]
         finally:
             self.in_flight -= 1
-            self.counts[outcome] += 1
             if not live.done:
                 self.loop.abort(live)
 
@@ -152,7 +222,10 @@ class OpenAIServer:
         """(text delta, finish_reason or None) per engine step; raises ApiError on an engine failure."""
         while True:
             event = await live.events.get()
-            if event[0] == "error":
+            if event[0] == "invalid":         # refused by the engine's own checks: it never joined a batch
+                live.done = True
+                raise ApiError(event[1])
+            if event[0] == "error":           # this request's sequence failed; the others went on
                 live.done = True
                 raise ApiError(f"generation failed: {event[1]}", status=500, kind="internal_error")
             _, ids, engine_finish = event
@@ -166,16 +239,10 @@ class OpenAIServer:
                 return
 
     def _usage(self, live: Live, detok: Detokenizer) -> dict:
-        prompt = len(live.request.prompt_token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": len(detok.ids), "total_tokens": prompt + len(detok.ids)}
+        return api.usage(len(live.request.prompt_token_ids), len(detok.ids))
 
-    def _chunk(self, live: Live, chat: bool, choices: list, usage: dict | None = None) -> bytes:
-        body: dict[str, Any] = {"id": live.request.request_id,
-                                "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": int(time.time()), "model": self.model_name, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
+    def _chunk(self, live: Live, chat: bool, choices: list, use: dict | None = None) -> bytes:
+        return api.sse_chunk(live.request.request_id, self.model_name, chat, choices, use)
 
     async def _stream(self, request: web.Request, live: Live, params: Params, chat: bool
                       ) -> tuple[web.StreamResponse, str]:
@@ -195,7 +262,7 @@ class OpenAIServer:
         except ApiError as err:
             await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-            return resp, "failed"
+            return resp, "invalid" if err.status < 500 else "failed"
         if params.include_usage:
             await resp.write(self._chunk(live, chat, [], self._usage(live, detok)))
         await resp.write(b"data: [DONE]\n\n")
@@ -210,7 +277,7 @@ class OpenAIServer:
                 parts.append(delta)
                 finish = reason       # the last event's reason is the request's
         except ApiError as err:
-            return err.response(), "failed"
+            return err.response(), "invalid" if err.status < 500 else "failed"
         text = "".join(parts)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": finish} if chat else
@@ -247,9 +314,10 @@ class RunningServer:
 
 
 def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
-                    retry_after_s: int = 1) -> RunningServer:
+                    retry_after_s: int = 1, max_body_bytes: int | None = None) -> RunningServer:
     """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread."""
-    server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s)
+    server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s,
+                          max_body_bytes=max_body_bytes)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     loop.run_until_complete(runner.setup())
@@ -273,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which the server answers 503")
     p.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503")
+    p.add_argument("--max-body-mb", type=float,
+                   help="request bodies beyond this many MiB get 413 unread (default: 128 bytes per context token, "
+                        "at least 1 MiB)")
     for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
         p.add_argument(f"--{flag}", type=kind, help="engine setting (default: the engine's)")
@@ -297,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_queue < 0 or not 0 < args.port < 65536:
         print("error: --max-queue must be >= 0 and --port in 1..65535", file=sys.stderr)
         return 2
+    if args.max_body_mb is not None and not args.max_body_mb * (1 << 20) >= 1:
+        print(f"error: --max-body-mb {args.max_body_mb} must be positive", file=sys.stderr)
+        return 2
     try:
         check_policy(args.policy, params)       # a typo costs a second, not a model load
     except SystemConfigError as exc:
@@ -317,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or Path(args.model).resolve().name
     system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype,
                           name=f"engine-{args.policy}", max_model_len=args.max_model_len)
-    server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after)
+    server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after,
+                          max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("serving %s (policy %s %s) on http://%s:%d", name, args.policy, params, args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, access_log=None,

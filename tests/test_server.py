@@ -122,7 +122,8 @@ def test_models_and_health(client, server):
     assert entry["parent"] is None
     snap = health(server)
     assert snap["status"] == "ok"
-    assert set(snap["requests"]) == {"received", "completed", "rejected", "invalid", "failed", "aborted"}
+    assert set(snap["requests"]) == {"received", "completed", "rejected", "invalid", "too_large", "failed",
+                                     "aborted"}
     metrics = httpx.get(server.url + "/metrics").text
     assert f"kvharness_requests_completed_total {snap['requests']['completed']}" in metrics
 
@@ -259,6 +260,7 @@ def test_binds_loopback_only_by_default(server):
     (["--params", "{budget: 5}"], "--params must be a JSON object"),
     (["--policy", "dense", "--params", '{"budget": 5}'], "unknown parameter"),
     (["--max-queue", "-1"], "--max-queue"),
+    (["--max-body-mb", "0"], "--max-body-mb"),
     (["--model", "/nonexistent/folder"], "has no config.json"),
 ])
 def test_cli_rejects_bad_arguments_before_loading(argv, needle, capsys):

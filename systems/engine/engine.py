@@ -1,6 +1,8 @@
 """The engine loop: add requests (at their arrival time), step the scheduler and model, finish sequences."""
 from __future__ import annotations
 
+import logging
+import numbers
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,11 +15,18 @@ from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import load_ops
-from systems.engine.sampler import sample
-from systems.engine.scheduler import Scheduler
+from systems.engine.sampler import check_sampling, sample
+from systems.engine.scheduler import Scheduler, SequenceError
 from systems.engine.sequence import Sequence, Status
 from systems.hardware import resolve_dtype
 from systems.policies.base import Policy
+
+log = logging.getLogger("kvharness.engine")
+
+
+def _ids_ok(ids, vocab: int) -> bool:
+    # numbers.Integral: numpy and torch integer scalars are fine ids too; bool is an int but never a token
+    return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= int(t) < vocab for t in ids)
 
 
 class Engine:
@@ -56,32 +65,73 @@ class Engine:
         self.steps = {"prefill": 0, "decode": 0}
 
     def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
-        total = len(request.prompt_token_ids) + request.max_new_tokens
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.request_id}: empty prompt")
-        forced = request.forced_output_ids
-        if forced is not None and not 0 < request.max_new_tokens <= len(forced):
-            raise ValueError(f"request {request.request_id}: max_new_tokens={request.max_new_tokens} must be in "
-                             f"[1, {len(forced)}], the number of forced output tokens")
-        if total > self.max_model_len:
-            raise ValueError(f"request {request.request_id}: prompt + max_new_tokens = {total} exceeds the "
-                             f"engine's max_model_len {self.max_model_len}; truncate the prompt")
+        """Queue one request; a value that could fail a step is refused here, before it can share a batch."""
+        self._check_request(request)
         arrival = arrival_time if arrival_time is not None else (request.arrival_time or time.perf_counter())
         seq = Sequence(request, arrival, self._order)
         self._order += 1
         self.scheduler.add(seq)
         return seq
 
+    def _check_request(self, request: GenerationRequest) -> None:
+        rid = request.request_id
+        ids, n = request.prompt_token_ids, request.max_new_tokens
+        if not ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        vocab = self.model.spec.vocab_size
+        if not _ids_ok(ids, vocab):
+            bad = [t for t in ids if not _ids_ok([t], vocab)][:5]
+            raise ValueError(f"request {rid}: prompt token ids {bad} are not integers in [0, {vocab})")
+        if type(n) is not int or n < 1:
+            raise ValueError(f"request {rid}: max_new_tokens={n!r} must be an integer >= 1")
+        lp = request.logprob_steps
+        if type(lp) is not int or lp < 0:
+            raise ValueError(f"request {rid}: logprob_steps={lp!r} must be an integer >= 0")
+        try:
+            check_sampling(request.temperature, request.top_p, request.seed)
+        except ValueError as exc:
+            raise ValueError(f"request {rid}: {exc}") from None
+        if not isinstance(request.stop, (tuple, list)) or not all(isinstance(x, str) for x in request.stop):
+            raise ValueError(f"request {rid}: stop={request.stop!r} must be a tuple of strings")
+        forced = request.forced_output_ids
+        if forced is not None:
+            if not 0 < n <= len(forced):
+                raise ValueError(f"request {rid}: max_new_tokens={n} must be in [1, {len(forced)}], the number of "
+                                 "forced output tokens")
+            if not _ids_ok(forced, vocab):
+                raise ValueError(f"request {rid}: forced output ids must be integers in [0, {vocab})")
+        total = len(ids) + n
+        if total > self.max_model_len:
+            raise ValueError(f"request {rid}: prompt + max_new_tokens = {total} exceeds the "
+                             f"engine's max_model_len {self.max_model_len}; truncate the prompt")
+
     def step(self) -> list[Sequence]:
-        """One scheduler step (one forward over decodes and prompt chunks); returns the sequences that finished."""
+        """One scheduler step (one forward over decodes and prompt chunks); returns the sequences that finished.
+
+        A failure that belongs to one sequence (its sampling, its log-probabilities, its stop check, it alone
+        outgrowing the device tier) finishes that sequence with finish_reason "error" and `error` set; the other
+        sequences of the step go on. A failed forward over several sequences sends them to run alone (see
+        Scheduler.isolate), so a failure that returns there is one sequence's own."""
         now = time.perf_counter()
-        work = self.scheduler.schedule(now)
+        try:
+            work = self.scheduler.schedule(now)
+        except SequenceError as exc:
+            self.fail(exc.seq, exc)
+            return [exc.seq]
         if not work:
             nxt = self.scheduler.next_arrival()
             if nxt is not None and not self.scheduler.running:
                 time.sleep(min(max(nxt - now, 0.0), 0.05))
             return []
-        logits = self.runner.run_step(work.decodes, work.chunks)
+        try:
+            logits = self.runner.run_step(work.decodes, work.chunks)
+        except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone
+            in_step = work.decodes + [s for s, _, _ in work.chunks]
+            if len(in_step) == 1:
+                self.fail(in_step[0], exc)
+                return in_step
+            self.scheduler.isolate(in_step)
+            return []
         for seq, _, end in work.chunks:
             seq.num_computed = end
         seqs = work.decodes + [s for s, _, end in work.chunks if end == s.prefill_len]
@@ -94,31 +144,53 @@ class Engine:
         stamp = time.perf_counter()  # after sampling, which waits for the device: the token exists now
         finished = []
         for seq, tok in zip(seqs, tokens):
-            seq.token_ids.append(tok)
-            seq.token_times.append(stamp)
-            seq.decode_step += 1
-            if self._check_finish(seq, tok):
-                self.scheduler.finish(seq)
+            try:
+                if isinstance(tok, Exception):
+                    raise tok
+                seq.token_ids.append(tok)
+                seq.token_times.append(stamp)
+                seq.decode_step += 1
+                done = self._check_finish(seq, tok)
+                if done:
+                    self.scheduler.finish(seq)
+            except Exception as exc:  # noqa: BLE001 - this sequence's failure, not its neighbours'
+                self.fail(seq, exc)
+                done = True
+            if done:
                 finished.append(seq)
         return finished
 
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Finish one sequence with an error (its blocks freed); the rest of the batch is untouched."""
+        self.scheduler.drop(seq)
+        seq.finish_reason = "error"
+        seq.error = f"{type(exc).__name__}: {exc}"
+        log.warning("request %s failed alone: %s", seq.request.request_id, seq.error)
+
     @staticmethod
-    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int]) -> None:
-        """Forced tokens replace the sampled ones; log-probabilities are kept where the request asks for them."""
+    def _record_logprobs(seqs: list[Sequence], logits: torch.Tensor, tokens: list[int | Exception]) -> None:
+        """Forced tokens replace the sampled ones; log-probabilities are kept where the request asks for them. A
+        row that fails here holds its exception in `tokens`, like a failed draw."""
         want = [i for i, s in enumerate(seqs) if s.request.forced_output_ids is not None or s.request.logprob_steps]
         if not want:
             return
         logp = torch.log_softmax(logits[want].float(), dim=-1)
         for row, i in enumerate(want):
             seq = seqs[i]
-            step = seq.num_output_tokens
-            forced = seq.request.forced_output_ids
-            if forced is not None:
-                tokens[i] = int(forced[step])
-            seq.token_logprobs.append(float(logp[row, tokens[i]]))
-            seq.argmax_ids.append(int(logits[i].argmax()))
-            if step < seq.request.logprob_steps:
-                seq.logprob_rows.append(logp[row].cpu())
+            try:
+                step = seq.num_output_tokens
+                forced = seq.request.forced_output_ids
+                if forced is not None:
+                    tokens[i] = int(forced[step])
+                tok = tokens[i]
+                if isinstance(tok, Exception):
+                    continue
+                seq.token_logprobs.append(float(logp[row, tok]))
+                seq.argmax_ids.append(int(logits[i].argmax()))
+                if step < seq.request.logprob_steps:
+                    seq.logprob_rows.append(logp[row].cpu())
+            except Exception as exc:  # noqa: BLE001 - this row's failure is its sequence's
+                tokens[i] = exc
 
     def _check_finish(self, seq: Sequence, token: int) -> bool:
         req = seq.request
@@ -151,8 +223,7 @@ class Engine:
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.WAITING:
-            self.scheduler.waiting.remove(seq)
-            seq.status = Status.FINISHED
+            self.scheduler.drop(seq)
         else:
             self.scheduler.finish(seq)
         seq.finish_reason = "abort"
@@ -169,4 +240,8 @@ class Engine:
         self.run()
         seqs = [added[i] for i in range(len(requests))]
         assert all(s.status is Status.FINISHED for s in seqs)
+        failed = [s for s in seqs if s.error]
+        if failed:       # an offline caller gets no partial results it could mistake for complete ones
+            raise RuntimeError(f"{len(failed)} of {len(seqs)} requests failed; the first, request "
+                               f"{failed[0].request.request_id}: {failed[0].error}")
         return seqs

@@ -9,6 +9,11 @@ eviction policies keep their semantics, and admission reserves the prompt's full
 Whole-prompt prefill (chunked_prefill off, and always in batch-invariant mode, where a row's matmul shape must not
 depend on what shares its step): prefill steps and decode steps alternate, several prompts share a prefill step
 while their total stays within max_num_batched_tokens, a longer prompt runs alone.
+
+Isolation: when a forward over several sequences fails, nobody knows whose row broke it, so the engine preempts them
+all and hands them to `isolate`; each then runs alone (its recompute prefill and one decode) before it rejoins the
+batch, so a failure that returns is that one sequence's own and fails it alone. Problems that belong to one sequence
+(it alone outgrows the device tier) raise SequenceError, which the engine turns into that sequence's failure.
 """
 from __future__ import annotations
 
@@ -20,6 +25,14 @@ import torch
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.sequence import Sequence, Status
 from systems.policies.base import Policy
+
+
+class SequenceError(RuntimeError):
+    """A problem that belongs to one sequence: the engine fails that sequence and keeps serving the others."""
+
+    def __init__(self, seq: Sequence, message: str):
+        super().__init__(message)
+        self.seq = seq
 
 
 @dataclass
@@ -44,6 +57,7 @@ class Scheduler:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.blocks_per_page_row = kv.num_layers * kv.num_kv_heads  # one new page in every (layer, head)
         self.num_preemptions = 0
+        self.suspects: deque[Sequence] = deque()      # sequences of a failed step, to run alone (see isolate)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -56,6 +70,10 @@ class Scheduler:
 
     def schedule(self, now: float) -> Step:
         """This step's work (empty when nothing can run yet)."""
+        if self.suspects:
+            solo = self._schedule_suspect()
+            if solo is not None:
+                return solo
         if self.chunked_prefill:
             return self._schedule_chunked(now)
         batch = self._admit(now, self.max_num_batched_tokens, chunked=False)
@@ -99,6 +117,8 @@ class Scheduler:
         tokens = reserved = 0
         headroom = self.blocks_per_page_row * len(self.running)   # next decode pages of the running sequences
         headroom += self.pending_prefill_blocks()
+        if self.suspects:       # a suspect waits for room (_schedule_suspect): newcomers must not take it first
+            return batch
         for seq in list(self.waiting):
             if seq.arrival_time > now or len(self.running) + len(batch) >= self.max_num_seqs:
                 break
@@ -114,23 +134,59 @@ class Scheduler:
                 need = self._dense_blocks(n)
             if need + reserved + headroom > self.kv.free_device_blocks():
                 if not self.running and not batch and need > self.kv.device_blocks.capacity:
-                    raise RuntimeError(
-                        f"request {seq.request.request_id}: needs {need} device blocks, the device tier holds "
-                        f"{self.kv.device_blocks.capacity}; raise engine.device_memory_gb or shorten the prompt")
+                    raise self._too_big(seq, need)
                 break
-            self.waiting.remove(seq)
-            seq.slot = self.free_slots.pop()
-            seq.status = Status.RUNNING
-            seq.prefill_len = n
-            seq.num_computed = 0
-            seq.decode_step = 0
-            self.policy.reset(seq.slot)
+            self._start(seq, n)
             end = min(n, left) if split else n
             batch.append((seq, end))
             tokens += end
             reserved += need
         self.running.extend(s for s, _ in batch)
         return batch
+
+    def _too_big(self, seq: Sequence, need: int) -> SequenceError:
+        return SequenceError(seq, f"request {seq.request.request_id}: needs {need} device blocks, the device tier "
+                                  f"holds {self.kv.device_blocks.capacity}; raise engine.device_memory_gb or shorten "
+                                  "the prompt")
+
+    def _start(self, seq: Sequence, n: int) -> None:
+        """Move a waiting sequence into a slot, to prefill its n tokens from the start."""
+        self.waiting.remove(seq)
+        seq.slot = self.free_slots.pop()
+        seq.status = Status.RUNNING
+        seq.prefill_len = n
+        seq.num_computed = 0
+        seq.decode_step = 0
+        self.policy.reset(seq.slot)
+
+    def isolate(self, seqs: list[Sequence]) -> None:
+        """Preempt the sequences of a failed step; each runs alone before it rejoins the batch."""
+        for seq in sorted(seqs, key=lambda s: s.order, reverse=True):      # the earliest ends up first in line
+            if seq.status is Status.RUNNING:
+                self.preempt(seq)
+        self.suspects.extend(sorted(seqs, key=lambda s: s.order))
+
+    def _schedule_suspect(self) -> Step | None:
+        """The first suspect's step, alone: its whole prefill, then one decode. None while it cannot fit yet (the
+        others run meanwhile, and finish or free blocks)."""
+        while self.suspects:
+            seq = self.suspects[0]
+            if seq.status is Status.FINISHED or (seq.status is Status.RUNNING and seq.decode_step >= 2):
+                self.suspects.popleft()           # cleared: it ran alone without failing
+                continue
+            if seq.status is Status.RUNNING:
+                return Step(decodes=self._decode_batch([seq]))
+            n = len(seq.token_ids)
+            need = self.policy.device_blocks_needed(n, seq.remaining_tokens)
+            headroom = self.blocks_per_page_row * len(self.running) + self.pending_prefill_blocks()
+            if len(self.running) >= self.max_num_seqs or need + headroom > self.kv.free_device_blocks():
+                if not self.running and need > self.kv.device_blocks.capacity:
+                    raise self._too_big(seq, need)
+                return None
+            self._start(seq, n)
+            self.running.append(seq)
+            return Step(chunks=[(seq, 0, n)])
+        return None
 
     def _decode_batch(self, candidates: list[Sequence], wait: bool = True) -> list[Sequence]:
         if not candidates:
@@ -152,8 +208,8 @@ class Scheduler:
                 return batch
             victim = max(self.running, key=lambda s: s.order)     # the latest request gives way
             if len(self.running) == 1:
-                raise RuntimeError(f"request {victim.request.request_id}: one sequence alone outgrows the device "
-                                   f"tier; raise engine.device_memory_gb")
+                raise SequenceError(victim, f"request {victim.request.request_id}: one sequence alone outgrows "
+                                            "the device tier; raise engine.device_memory_gb")
             self.preempt(victim)
             batch = [s for s in batch if s is not victim]
             if not batch:
@@ -165,6 +221,16 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def drop(self, seq: Sequence) -> None:
+        """Take a sequence out wherever it is (failed or aborted), freeing its KV blocks in both tiers."""
+        if seq in self.suspects:
+            self.suspects.remove(seq)
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.RUNNING:
+            self._release(seq)
+        seq.status = Status.FINISHED
 
     def finish(self, seq: Sequence) -> None:
         if not seq.in_prefill:

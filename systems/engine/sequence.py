@@ -30,7 +30,8 @@ class Sequence:
         # chunked prefill: each layer's query rows of the chunks so far, for the hooks that see the whole prompt
         self.prompt_q: dict[int, list[torch.Tensor]] = {}
         self.decode_step = 0
-        self.finish_reason = "length"
+        self.finish_reason = "length"            # "length" | "stop" | "eos" | "abort" | "error"
+        self.error = ""                         # why it failed (finish_reason "error"), for its caller alone
         self.text = ""
         self.kv_stats: dict = {}
         # filled only for forced or logprob requests: log p of each output token, the model's own argmax at each
