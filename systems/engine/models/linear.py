@@ -48,7 +48,8 @@ class Linear:
         """`prepack=False` keeps F.linear, which has gradients."""
         self.bias = bias
         self.packed = prepacked(weight, bias) if prepack else None
-        self.weight = weight if self.packed is None else None      # the packed copy replaces the plain one
+        # the plain matrix stays beside a packed copy: the fused decode step streams it (ops/cpu_gemm.cpp)
+        self.weight = weight
         # an fp32 copy beside the bf16 weight (3x the memory) where bf16 is emulated, for prompt-sized inputs
         self.wide = (weight.float(), None if bias is None else bias.float()) if prepack and emulates_bf16(weight) \
             else None
@@ -56,7 +57,6 @@ class Linear:
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        assert self.weight is not None
         if self.wide is not None and x.shape[0] >= WIDEN_MIN_ROWS:
             return F.linear(x.float(), *self.wide).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
