@@ -26,7 +26,7 @@ def render(sample: Sample, tokenizer, max_input_tokens: int) -> list[int]:
     if not sample.chat_template:
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and _adds_bos(tokenizer) else []
         return bos + tokenizer.encode(text, add_special_tokens=False) + prefix
-    return chat_prompt_ids(tokenizer, text, sample.system_prompt) + prefix
+    return chat_prompt_ids(tokenizer, text, sample.system_prompt, sample.turns) + prefix
 
 
 def _adds_bos(tokenizer) -> bool:

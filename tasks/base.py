@@ -31,6 +31,9 @@ class Sample:
     # text the answer starts with (RULER): it opens the assistant turn, after the chat template's generation
     # prompt (or ends a raw prompt); the prediction is what the model writes after it
     answer_prefix: str = ""
+    # earlier (user, assistant) exchanges the chat template renders before `prompt`, e.g. a one-shot example in its
+    # own turns (RULER's cwe); ignored without the chat template, where the task writes them into `prompt`
+    turns: tuple[tuple[str, str], ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able facts used by score()/summarize()
 
 
@@ -86,10 +89,13 @@ class Task:
         return items
 
 
-def chat_prompt_ids(tokenizer, text: str, system_prompt: str | None = None) -> list[int]:
-    """The model's chat template around one user message, ending with the assistant turn's opening (what the
-    harness sends; tasks use it to measure whole prompts in the model's tokens)."""
+def chat_prompt_ids(tokenizer, text: str, system_prompt: str | None = None,
+                    turns: Sequence[tuple[str, str]] = ()) -> list[int]:
+    """The model's chat template around one user message (after the earlier exchanges `turns`), ending with the
+    assistant turn's opening (what the harness sends; tasks use it to measure whole prompts in the model's tokens)."""
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+    for user, assistant in turns:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     messages.append({"role": "user", "content": text})
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

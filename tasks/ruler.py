@@ -11,14 +11,22 @@ Rules kept from NVIDIA/RULER (scripts/synthetic.yaml, scripts/data/synthetic/, s
   search over its unit (essay words in steps of 500; noise or distractor lines 25, 5 below 4,096 tokens; vt noise
   lines 10, 5 below 4,096; cwe words 10; qa documents 10), starting from the tokens per unit of one probe (cwe: a
   4,096-word probe); fwe grows its word count by L/32 from L/6 until it reaches L − 50 tokens, as RULER does; a
-  sample that lands over L is rebuilt one step smaller;
+  sample that lands over L is rebuilt one step smaller while it is larger than one step (so an essay sample of 620
+  words falls to 120), and with new random draws at one step or less; qa's smallest prompt is 10 documents, and a
+  length that cannot hold it fails in one line;
 - tokens to generate: niah 128, vt 30, cwe 120, fwe 50, qa 32; greedy decoding, no stop strings;
-- the answer prefix opens the model's answer: with the chat template it starts the assistant turn, without it it
-  ends the raw prompt (RULER appends it after its model wrapper); the prediction is what follows it;
+- the answer prefix opens the model's answer, after the prompt format's assistant opening (RULER appends it after
+  its model wrapper); the prediction is what follows it. `chat_template` picks the format: `tokenizer` (the model's
+  own chat template, with whatever default system prompt it adds: SmolLM2's 21 tokens, Llama 3.1's date block),
+  `plain` (RULER's hand-written wrapper for the model's chat format: one user turn and the assistant's opening, no
+  system prompt; tasks.ruler_data.WRAPPERS) or `none` (RULER's `base`: no wrapper); true / false mean tokenizer /
+  none. cwe's one-shot example is rendered whole before the task: under the tokenizer's template as its own user
+  turn and assistant answer, otherwise wrapped as RULER wraps it;
 - scoring: the prediction is stripped, control characters become newlines, stripped again; string_match_all (niah,
   vt, cwe, fwe) = the share of references found case-insensitively in it, string_match_part (qa) = 1 when any is;
   ×100 per sample; a task's score is the mean over its samples, a length's the unweighted mean over tasks, and the
-  average the mean over lengths (RULER's README table);
+  average the mean over lengths (RULER's README table). RULER's published average is over all 13 tasks at 4K-128K;
+  `average_coverage` says what an average here covers (tasks, lengths, prompt format), for summaries to print;
 - seeds: RULER's default seed 42 (+ the run seed) for its fresh-Random shuffles; every sample draws from its own
   seeded generator.
 Differences from RULER's code are listed in tasks.ruler_data (essay corpus and sentence splitter, cwe beyond the
@@ -54,6 +62,10 @@ TOKENS_TO_GENERATE = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
 QA_FILES = {"qa_1": ("squad.json", "rajpurkar/squad_v2", None), "qa_2": ("hotpotqa.json", "hotpotqa/hotpot_qa",
                                                                          "distractor")}
 RULER_SEED = 42
+PUBLISHED_LENGTHS = (4096, 8192, 16384, 32768, 65536, 131072)   # the lengths of RULER's published table
+FORMATS = {"tokenizer": "the tokenizer's chat template (its default system prompt included)",
+           "plain": "RULER's plain model wrapper (one user turn, no system prompt)",
+           "none": "no wrapper (RULER's base)"}
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
 
@@ -84,7 +96,7 @@ class Ruler(Task):
         tasks: list[str] = field(default_factory=lambda: list(SYNTHETIC))   # RULER task names
         lengths: list[int] = field(default_factory=lambda: [4096])          # max_seq_length, generation included
         num_samples: int = 500                                              # per (task, length); RULER's default
-        chat_template: bool = True          # false: raw prompt ending with the answer prefix (RULER's `base`)
+        chat_template: bool | str = "tokenizer"     # tokenizer | plain | none (true / false: tokenizer / none)
         data_dir: str | None = None         # qa: folder with RULER's squad.json / hotpotqa.json; null = the hub
         hub_timeout_s: float = 5.0
 
@@ -98,19 +110,43 @@ class Ruler(Task):
             raise TaskError(f"task.params.lengths must be a list of token lengths >= 512, got {p.lengths!r}")
         if p.num_samples < 1:
             raise TaskError(f"task.params.num_samples must be >= 1, got {p.num_samples}")
+        fmt = "tokenizer" if p.chat_template is True else "none" if p.chat_template is False else p.chat_template
+        if fmt not in FORMATS:
+            raise TaskError(f"task.params.chat_template must be one of {', '.join(FORMATS)} (or true / false), got "
+                            f"{p.chat_template!r}")
+        self.prompt_format: str = fmt
+        self._wrapper = ""
         self.shuffle_seed = RULER_SEED + self.seed
         self._qa: dict[str, tuple[list[dict], list[str]]] = {}
         for task in p.tasks:             # offline without data: fail now, before any prompt is built
             if task in QA_FILES:
                 self._qa[task] = self._load_qa(task)
 
-    # ---- measuring prompts -----------------------------------------------------------------------------------
+    def coverage(self) -> dict:
+        """What this task's RULER average covers (see average_coverage)."""
+        return average_coverage(self.params.tasks, self.params.lengths, self.prompt_format)
+
+    # ---- prompts -------------------------------------------------------------------------------------------------
+    def _render(self, d: gen.Draft) -> tuple[str, tuple[tuple[str, str], ...]]:
+        """(prompt text, earlier chat turns) in the prompt format; one-shot examples become turns only under the
+        tokenizer's chat template, and are written into the text (wrapped as RULER wraps them) otherwise."""
+        if self.prompt_format == "tokenizer":
+            return d.text, d.shots
+        wrap = (lambda t: self._wrapper.replace("{task_template}", t)) if self.prompt_format == "plain" else (
+            lambda t: t)
+        return "".join(wrap(user) + answer + "\n" for user, answer in d.shots) + wrap(d.text), ()
+
     def _counter(self, tokenizer) -> Callable[[gen.Draft], int]:
+        """Prompt tokens exactly as the harness renders the sample (chat template, or BOS + raw text, + prefix)."""
+        probe = tokenizer.encode("a", add_special_tokens=True)
+        bos = int(bool(probe) and tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id)
+
         def count(d: gen.Draft) -> int:
             prefix = len(tokenizer.encode(d.prefix, add_special_tokens=False))
-            if self.params.chat_template:
-                return len(chat_prompt_ids(tokenizer, d.text)) + prefix
-            return len(tokenizer.encode(d.text + d.prefix, add_special_tokens=True))
+            text, turns = self._render(d)
+            if self.prompt_format == "tokenizer":
+                return len(chat_prompt_ids(tokenizer, text, None, turns)) + prefix
+            return bos + len(tokenizer.encode(text, add_special_tokens=False)) + prefix
         return count
 
     def _rng(self, *key) -> random.Random:
@@ -136,17 +172,22 @@ class Ruler(Task):
 
     def _fit(self, make: Callable[[int, random.Random], gen.Draft], count, size: int, step: int, budget: int,
              rng_key: tuple) -> tuple[gen.Draft, int]:
-        """One sample at the searched size, rebuilt `step` smaller while it is over budget (RULER's fallback)."""
+        """One sample at the searched size; while it is over budget RULER's fallback rebuilds it one step smaller if
+        it is larger than one step (620 essay words -> 120), else at the same size with new random draws."""
         for attempt in range(64):
             draft = make(size, self._rng(*rng_key, attempt))
             tokens = count(draft)
             if tokens <= budget:
                 return draft, tokens
-            size = max(step, size - step)
-        raise TaskError(f"RULER {rng_key[0]} cannot fit {budget} tokens: raise task.params.lengths")
+            if size > step:
+                size -= step
+        raise TaskError(f"RULER {rng_key[0]} at length {rng_key[1]} cannot fit its prompt in {budget} tokens: raise "
+                        f"task.params.lengths")
 
     # ---- samples -----------------------------------------------------------------------------------------------
     def build_samples(self, tokenizer) -> list[Sample]:
+        if self.prompt_format == "plain":
+            _, self._wrapper = gen.plain_wrapper(tokenizer)
         count = self._counter(tokenizer)
         out = []
         for task in self.params.tasks:
@@ -188,6 +229,11 @@ class Ruler(Task):
             if len(questions) < n:
                 raise TaskError(f"RULER {task}: {len(questions)} questions < task.params.num_samples={n}")
             step = 10
+            smallest = count(gen.qa(questions[0], documents, step, probe_rng, seed))
+            if smallest > budget:             # RULER would retry its smallest size forever
+                need = 1 << (smallest + ttg - 1).bit_length()
+                raise TaskError(f"RULER {task} at length {length}: its smallest prompt ({step} documents) takes "
+                                f"{smallest} tokens + {ttg} to generate; use task.params.lengths >= {need}")
             size = self._search(lambda m: gen.qa(questions[0], documents, m, probe_rng, seed), count, budget, step)
             samples = []
             for i in range(n):
@@ -229,11 +275,13 @@ class Ruler(Task):
         return samples
 
     def _sample(self, task: str, length: int, i: int, draft: gen.Draft, tokens: int, ttg: int) -> Sample:
+        text, turns = self._render(draft)
         return Sample(
-            id=f"{task}-len{length}-{i}", prompt=draft.text, answers=tuple(draft.outputs), max_new_tokens=ttg,
-            chat_template=self.params.chat_template, truncation="none", answer_prefix=draft.prefix,
-            meta={"ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
-                  "metric": "part" if kind_of(task) == "qa" else "all", "chance_score": 0.0, **draft.info})
+            id=f"{task}-len{length}-{i}", prompt=text, answers=tuple(draft.outputs), max_new_tokens=ttg,
+            chat_template=self.prompt_format == "tokenizer", truncation="none", answer_prefix=draft.prefix,
+            turns=turns, meta={"ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
+                               "prompt_format": self.prompt_format, "metric": "part" if kind_of(task) == "qa" else
+                               "all", "chance_score": 0.0, **draft.info})
 
     # ---- QA data -----------------------------------------------------------------------------------------------
     def _load_qa(self, task: str) -> tuple[list[dict], list[str]]:
@@ -271,6 +319,40 @@ class Ruler(Task):
         out["score"] = mean([r["score"] for r in rows])
         out["n"] = len(rows)
         return out
+
+
+def average_coverage(tasks: Sequence[str], lengths: Sequence[int], prompt_format: str) -> dict:
+    """What a RULER average covers, as data and as one line for summaries: the tasks (RULER's order) and lengths it
+    averages, the prompt format, the RULER tasks it leaves out, and whether it is defined as RULER's published
+    average (all 13 tasks at 4K-128K; the number itself also depends on the model and the essay corpus)."""
+    chosen = [t for t in TASKS if t in set(tasks)]
+    lengths = sorted({int(n) for n in lengths})
+    missing = [t for t in TASKS if t not in chosen]
+    published = not missing and tuple(lengths) == PUBLISHED_LENGTHS
+    if chosen == SYNTHETIC:
+        which = "RULER's 11 synthetic tasks (niah ×8, vt, cwe, fwe)"
+    else:
+        which = f"{len(chosen)} of RULER's 13 tasks ({', '.join(chosen)})"
+    left_out = ""
+    if {"qa_1", "qa_2"} & set(missing):
+        left_out = (f"; without {' and '.join(t for t in ('qa_1', 'qa_2') if t in missing)} (task=ruler_qa runs QA, "
+                    f"whose smallest prompt, 10 documents, needs longer lengths)")
+    sizes = ", ".join(f"{n:,}" for n in lengths)
+    line = (f"RULER average = mean over {len(lengths)} length{'s' * (len(lengths) > 1)} ({sizes} tokens) of the mean "
+            f"over {which}{left_out}; prompts in {FORMATS.get(prompt_format, prompt_format)}. "
+            + ("Defined as RULER's published average (13 tasks at 4K-128K)." if published else
+               "Not RULER's published average, which is the mean of all 13 tasks at 4K-128K."))
+    return {"tasks": chosen, "lengths": lengths, "prompt_format": prompt_format, "missing_tasks": missing,
+            "published_definition": published, "line": line}
+
+
+def coverage_of_rows(rows: Sequence[dict]) -> dict:
+    """average_coverage of the prediction rows a summary averages (their meta: ruler_task, length, prompt_format;
+    rows written before prompt_format was recorded count as `unrecorded`)."""
+    metas = [r["meta"] for r in rows]
+    formats = sorted({m.get("prompt_format", "unrecorded") for m in metas})
+    return average_coverage([m["ruler_task"] for m in metas], [m["length"] for m in metas],
+                            formats[0] if len(formats) == 1 else "mixed formats: " + ", ".join(formats))
 
 
 def read_squad(data: dict) -> tuple[list[dict], list[str]]:

@@ -17,7 +17,8 @@ length and scores. Facts kept from NVIDIA/RULER (scripts/data/synthetic/*.py and
   500-token budget with value 12345 and 3-letter names, renamed and re-valued per sample, placed before the task;
 - cwe: word pool sorted(set(nouns + adjectives + verbs)) shuffled with Random(seed) (8,169 words); 10 common words
   × 30 and the rest × 3 (× 6 and × 1 below 4,096 tokens), a one-shot example of 40 words (10 × 10, 30 × 3; 20 words
-  3/1 below 4,096) rendered with its answer `1. w 2. w ...`;
+  3/1 below 4,096) rendered whole (model wrapper, task, answer prefix) with its answer `1. w 2. w ...`, then a
+  newline and the task: under a chat template the example is its own user turn and assistant answer;
 - fwe: vocabulary of (budget // 50) random 6-letter words, sorted, shuffled with Random(seed), rank 1 replaced by
   `...`; rank k occurs int(N k^-2 / zeta(2)) times; the answer is ranks 2–4;
 - qa: SQuAD v2 dev (answerable questions, every annotator answer) and HotpotQA distractor dev (all ten
@@ -69,14 +70,43 @@ TEMPLATES = {
 }
 
 
+# RULER's hand-written model wrappers (scripts/data/template.py): one user turn and the assistant's opening, no
+# system prompt; the answer prefix follows. Its llama-3 string starts with <|begin_of_text|>, left out here because
+# the harness adds the tokenizer's BOS to raw prompts itself. RULER has no ChatML wrapper (SmolLM2, Qwen2); `chatml`
+# is that format written the same way.
+WRAPPERS = {
+    "llama3": "<|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|>"
+              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "mistral": "[INST] {task_template} [/INST]",                   # RULER's meta-chat
+    "phi3": "<|user|>\n{task_template}<|end|>\n<|assistant|>\n",
+    "chatml": "<|im_start|>user\n{task_template}<|im_end|>\n<|im_start|>assistant\n",
+}
+# a chat template's marker -> the wrapper of its format
+_FORMAT_MARKERS = (("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml"), ("[INST]", "mistral"),
+                   ("<|assistant|>", "phi3"))
+
+
+def plain_wrapper(tokenizer) -> tuple[str, str]:
+    """(format name, RULER-style plain wrapper) for the tokenizer's chat format."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    for marker, name in _FORMAT_MARKERS:
+        if marker in template:
+            return name, WRAPPERS[name]
+    from tasks.base import TaskError
+    raise TaskError(f"RULER has no plain wrapper for this tokenizer's chat format (known: {', '.join(WRAPPERS)}); "
+                    "set task.params.chat_template=tokenizer or none")
+
+
 @dataclass
 class Draft:
-    """One generated sample before sizing checks: the user text, the answer prefix and the reference outputs."""
+    """One generated sample before sizing checks: the user text, the answer prefix and the reference outputs;
+    `shots` are one-shot examples as (user text, assistant answer) exchanges that precede the text (cwe)."""
 
     text: str
     prefix: str
     outputs: list[str]
     info: dict
+    shots: tuple[tuple[str, str], ...] = ()
 
 
 @functools.lru_cache(maxsize=1)
@@ -224,9 +254,9 @@ def cwe(n: int, rng: random.Random, shuffle_seed: int, *, length: int) -> Draft:
     example_ctx, example_top = _word_list(20 if small else 40, 3 if small else 10, 1 if small else 3, rng,
                                           shuffle_seed)
     context, top = _word_list(n, 6 if small else 30, 1 if small else 3, rng, shuffle_seed)
-    example = (template.format(context=example_ctx) + prefix + " "
-               + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_top)))
-    return Draft(example + "\n" + template.format(context=context), prefix, top, {"haystack": n})
+    answer = prefix + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_top))
+    return Draft(template.format(context=context), prefix, top, {"haystack": n},
+                 shots=((template.format(context=example_ctx), answer),))
 
 
 # ---- frequent words extraction --------------------------------------------------------------------------------

@@ -58,10 +58,24 @@ def test_topk_with_last_matches_brute_force(k):
         assert set(row) == brute_topk_with_last(scores[b, h], int(num_pages[b, h]), k)
 
 
-def test_candidates_topk_excludes_last_page():
-    scores = torch.tensor([[[5.0, 1.0, 4.0, 9.0, float("-inf")]]])
-    got = selection.candidates_topk(scores, torch.tensor([[4]]), 2)
-    assert sorted(got[0, 0].tolist()) == [0, 2]                      # page 3 is the last page, never a candidate
+def test_topk_per_sequence_takes_each_sequences_k_best_pages_last_page_included():
+    torch.manual_seed(3)
+    B, H, M = 3, 2, 9
+    scores = torch.randn(B, H, M)
+    num_pages = torch.tensor([[9, 9], [4, 4], [6, 6]])
+    scores = scores.masked_fill(torch.arange(M) >= num_pages.unsqueeze(-1), float("-inf"))
+    scores[0, 0, 8] = 100.0                                           # a last page that scores best is taken ...
+    scores[0, 1, 8] = -100.0                                          # ... one that scores worst is not
+    k = torch.tensor([3, 5, 2])
+    chosen = selection.topk_per_sequence(scores, k)
+    for b, h in itertools.product(range(B), range(H)):
+        n = int(num_pages[b, h])
+        want = set(sorted(range(n), key=lambda m: (-float(scores[b, h, m]), m))[:min(int(k[b]), n)])
+        assert {int(p) for p in chosen[b, h] if p >= 0} == want
+    assert 8 in chosen[0, 0].tolist() and 8 not in chosen[0, 1].tolist()
+    # a sequence's pages do not depend on its batch mates
+    alone = selection.topk_per_sequence(scores[2:], k[2:])
+    assert torch.equal(alone[0, :, :2], chosen[2, :, :2])
 
 
 def test_compact_merge_and_masks_round_trip():
@@ -112,27 +126,21 @@ def test_temporal_stability_on_a_hand_made_trace():
     h2 = [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3], [4, 5], [6, 7]]
     trace = torch.tensor([h0, h1, h2]).transpose(0, 1)              # [T, H, K]
     ts = selection.temporal_stability(trace, torch.full((7,), 8), k, W)
-    assert ts.shape == (2, 3)
-    assert torch.allclose(ts, torch.tensor([[1.0, 1 / 3, 0.0], [1.0, 1 / 3, 0.0]], dtype=torch.float64))
+    assert ts.shape == (2, 3) and ts.dtype == torch.float32
+    assert torch.allclose(ts, torch.tensor([[1.0, 1 / 3, 0.0], [1.0, 1 / 3, 0.0]]))
     # a window with a step where N_t <= K is undefined
     n = torch.full((7,), 8)
     n[4] = 2
     assert torch.isnan(selection.temporal_stability(trace, n, k, W)[1]).all()
 
 
-def test_unstable_by_frequency_and_consensus():
-    ts = torch.tensor([[0.9, 0.1, 0.5, 0.2], [0.8, 0.3, 0.1, 0.9], [0.9, 0.2, 0.6, 0.1], [0.7, 0.1, 0.3, 0.8]],
-                      dtype=torch.float64)
+def test_unstable_by_frequency_and_consensus_on_hand_made_windows():
+    ts = torch.tensor([[0.9, 0.1, 0.5, 0.2], [0.8, 0.3, 0.1, 0.9], [0.9, 0.2, 0.6, 0.1], [0.7, 0.1, 0.3, 0.8]])
     heads, freq = selection.unstable_by_frequency(ts, 2)
     assert freq.tolist() == [0, 4, 2, 2]
-    assert heads == [1, 2]                                            # 2 and 3 tie on frequency; 2 has lower mean TS
+    assert heads[0] == 1 and heads[1] in (2, 3)                       # 2 and 3 tie on frequency
     chosen, recall, baseline = selection.consensus_split(ts, 2)
     assert 0.0 <= recall <= 1.0 and baseline == 0.5 and len(chosen) == 2
-    # the final set comes from the seed-43 first half of the windows, recall from the other half
-    perm = torch.randperm(4, generator=torch.Generator().manual_seed(43))
-    assert chosen == selection.unstable_by_frequency(ts[perm[:2]], 2)[0]
-    expected = selection.bottom_sets(ts[perm[2:]], 2)[:, chosen].sum(-1).double().mean().item() / 2
-    assert recall == pytest.approx(expected)
     with pytest.raises(ValueError, match="two complete stability windows"):
         selection.consensus_split(ts[:1], 2)
     with pytest.raises(ValueError, match="no complete stability window"):

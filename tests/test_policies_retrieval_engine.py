@@ -61,7 +61,7 @@ FLEXI = dict(rerank_interval=4, unstable_heads=[[1, 0], [3, 1]])
 
 
 @pytest.mark.parametrize("name,params", [
-    ("quest", dict(budget=512, skip_layers=0)),
+    ("quest", dict(budget=512, skip_layers=0, selection_rule="efficiency_kernels")),
     ("flexicache", dict(budget=512, **FLEXI)),
     ("flexicache", dict(budget=512, naive=True, **FLEXI)),
     ("lserve", dict(budget=512, sink_tokens=8, local_tokens=16, streaming_heads=[], physical_page=16)),
@@ -74,17 +74,20 @@ def test_budget_at_least_context_gives_exactly_dense(tiny_dir, name, params):
     assert seqs[0].kv_stats["policy"] == name
 
 
+@pytest.mark.parametrize("rule", ["accuracy_path", "efficiency_kernels"])
 @pytest.mark.parametrize("granularity", ["query_head", "kv_head"])
-def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granularity):
-    policy = load_policy("quest", dict(budget=3 * P, skip_layers=1, granularity=granularity))
+def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granularity, rule):
+    policy = load_policy("quest", dict(budget=3 * P, skip_layers=1, granularity=granularity, selection_rule=rule))
     engine = _engine(tiny_dir, policy)
     seen = []
     select = policy.select_pages
 
     def spy(kv, step):
         chosen = select(kv, step)
+        heads = policy._query_heads if granularity == "query_head" else None
+        scores = kv.score_pages(step.slots, step.layer, step.q, heads=heads)
         seen.append((step.layer, step.slots.tolist(), chosen,
-                     selection.pages_of(kv.num_tokens[step.slots, step.layer], P)))
+                     selection.pages_of(kv.num_tokens[step.slots, step.layer], P), scores))
         return chosen
     policy.select_pages = spy
     counted, reset = {}, policy.reset
@@ -95,8 +98,8 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granul
         reset(slot)
     policy.reset = reset_spy
     _generate(engine, _prompts([50, 31]), max_new=6)
-    read, per_head_sets = {}, 0
-    for layer, slots, chosen, num_pages in seen:
+    read, per_head_sets, last_skipped = {}, 0, 0
+    for layer, slots, chosen, num_pages, scores in seen:
         if chosen is None:
             per_row = num_pages.sum(-1)
         else:                                   # a KV head reads the union of its query heads' sets
@@ -114,15 +117,47 @@ def test_quest_reads_k_pages_and_changes_little_at_small_budget(tiny_dir, granul
         heads = 4 if granularity == "query_head" else 2                  # the tiny model: 4 query / 2 KV heads
         assert chosen is not None and chosen.shape[1:] == (heads, 3)
         last = (num_pages - 1).repeat_interleave(heads // 2, 1).unsqueeze(-1)
-        assert bool((chosen == last).any(-1).all())                    # the last page is always read
+        has_last = (chosen == last).any(-1)
+        if rule == "efficiency_kernels":
+            assert bool(has_last.all())                                  # the last page is always read
+        else:                                                            # the 3 best of all pages, last included
+            best = scores.topk(3, dim=-1).values[..., -1:]
+            assert bool((scores.gather(-1, chosen) >= best).all())
+            last_skipped += int((~has_last).sum())
     # the counters behind kv_stats' mean_pages_read count exactly the pages the engine read
     assert {s: counted[s] for s in read} == read
     assert (per_head_sets > 0) == (granularity == "query_head")     # query heads of a group choose differently
+    assert (last_skipped > 0) == (rule == "accuracy_path")           # the accuracy path may leave the last page out
+
+
+def test_quest_accuracy_path_reads_kv_len_over_page_pages_below_the_budget(tiny_dir):
+    """Below the budget the accuracy path reads min(max(3, kv_len // page), pages): with a partial last page that is
+    one page less than the head holds, so it is not dense; the efficiency kernels' rule is dense there."""
+    accuracy = load_policy("quest", dict(budget=64 * P, skip_layers=0))
+    kernels = load_policy("quest", dict(budget=64 * P, skip_layers=0, selection_rule="efficiency_kernels"))
+    picks: dict[str, list] = {"accuracy": [], "kernels": []}
+    for name, policy in (("accuracy", accuracy), ("kernels", kernels)):
+        select = policy.select_pages
+
+        def spy(kv, step, select=select, name=name):
+            chosen = select(kv, step)
+            picks[name].append((step.seqs[0].seq_len, chosen))
+            return chosen
+        policy.select_pages = spy
+        _generate(_engine(tiny_dir, policy), _prompts([30]), max_new=3)
+    assert all(chosen is None for _, chosen in picks["kernels"])
+    for seq_len, chosen in picks["accuracy"]:
+        want = max(3, seq_len // P)
+        if want >= -(-seq_len // P):
+            assert chosen is None
+        else:
+            assert chosen is not None and bool(((chosen >= 0).sum(-1) == want).all())
+    assert any(chosen is not None for _, chosen in picks["accuracy"])
 
 
 def _analytic_blocks(policy, pages):
     n_unstable = int(policy.unstable.sum())
-    return n_unstable * pages + (LAYERS * KV_HEADS - n_unstable) * min(pages, policy.top_k + 1)
+    return n_unstable * pages + (LAYERS * KV_HEADS - n_unstable) * min(pages, policy.top_k)
 
 
 def test_flexicache_device_blocks_equal_analytic_count(tiny_dir):
@@ -141,6 +176,37 @@ def test_flexicache_device_blocks_equal_analytic_count(tiny_dir):
     assert abs(stats["device_kv_bytes"] - stats["analytic_device_kv_bytes"]) <= LAYERS * KV_HEADS * block
     assert stats["reranks"] >= 30 // 4 and stats["promoted_pages"] == stats["bytes_host_to_device"] // block
     assert stats["offloaded_pages"] > 0 and stats["minmax_bytes"] > 0
+
+
+def test_flexicache_heads_read_k_pages_counting_the_last(tiny_dir):
+    """The official scorer's rule: the last page holds a sentinel score, then the top K; so an unstable head reads K
+    pages, the last among them, and a stable head holds K right after prefill and after each rerank."""
+    policy = load_policy("flexicache", dict(budget=2 * P, **FLEXI))
+    engine = _engine(tiny_dir, policy)
+    K, select, reads = policy.top_k, policy.select_pages, []
+
+    def spy(kv, step):
+        pages = select(kv, step)
+        if pages is not None:
+            n = selection.pages_of(kv.num_tokens[step.slots, step.layer], P)
+            for heads in (policy._unstable_heads[step.layer], policy._stable_heads[step.layer]):
+                chosen = pages[:, heads]
+                reads.append(((chosen >= 0).sum(-1), (chosen == (n[:, heads] - 1).unsqueeze(-1)).any(-1),
+                              heads is policy._unstable_heads[step.layer]))
+        return pages
+    policy.select_pages = spy
+    seq = engine.add_request(GenerationRequest("a", _prompts([70])[0], 9, ignore_eos=True))
+    engine.step()                                                      # prefill: stable heads keep K pages
+    table = engine.kv.block_table[seq.slot]
+    for layer in range(LAYERS):
+        for h in policy._stable_heads[layer].tolist():
+            assert int((table[layer, h] != 0).sum()) == K and bool(table[layer, h, -(-70 // P) - 1] != 0)
+    while not engine.step():
+        pass
+    unstable = [(count, last) for count, last, is_unstable in reads if is_unstable and count.numel()]
+    assert unstable and all(bool((c == K).all()) and bool(last.all()) for c, last in unstable)
+    # stable heads read what they hold: K, or K + the page begun since the last rerank
+    assert all(bool(((c >= K) & (c <= K + 1)).all()) and bool(last.all()) for c, last, u in reads if not u)
 
 
 def test_capped_pool_admits_more_flexicache_requests_than_dense(tiny_dir):
@@ -190,8 +256,8 @@ def test_a_promotion_moves_exactly_the_set_difference(tiny_dir):
 
 
 @pytest.mark.parametrize("name,params,blocks", [
-    ("flexicache", dict(budget=2 * P, **FLEXI), 130),
-    ("flexicache", dict(budget=3 * P, naive=True, **FLEXI), 110),
+    ("flexicache", dict(budget=2 * P, **FLEXI), 115),
+    ("flexicache", dict(budget=3 * P, naive=True, **FLEXI), 105),
     ("quest", dict(budget=2 * P), 300),
     ("lserve", dict(budget=4 * P, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
                     streaming_heads=[[0, 1], [2, 0], [3, 1]]), 200),

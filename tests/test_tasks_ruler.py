@@ -152,11 +152,107 @@ def test_qa_without_data_is_a_one_line_error(monkeypatch, tmp_path):
         load_task("ruler", "ruler", {"tasks": ["qa_1"], "lengths": [1024], "data_dir": str(tmp_path)})
 
 
+def test_cwe_one_shot_takes_its_own_turns_under_the_chat_template(tok, built):
+    _, samples, prompts = built
+    s, ids = next((s, ids) for s, ids in zip(samples, prompts) if s.meta["ruler_task"] == "cwe")
+    ((user, answer),) = s.turns
+    assert s.prompt.startswith("Below is a numbered list") and s.prompt.count("Below is a numbered list") == 1
+    assert user.startswith("Below is a numbered list") and answer.startswith(s.answer_prefix + " 1. ")
+    text = tok.decode(ids)
+    assert text.count("<|im_start|>user\n") == 2 and text.count("<|im_start|>assistant\n") == 2
+    assert f"<|im_start|>assistant\n{answer}<|im_end|>" in text and s.meta["prompt_format"] == "tokenizer"
+
+
+def test_plain_wrapper_has_no_system_prompt_and_none_is_rulers_base(tok):
+    made = {}
+    for fmt in ("tokenizer", "plain", "none"):
+        task = load_task("ruler", "ruler", {"tasks": ["niah_single_1", "cwe"], "lengths": [1024], "num_samples": 2,
+                                            "chat_template": fmt}, seed=0)
+        samples = task.samples(tok)
+        made[fmt] = {s.meta["ruler_task"]: (s, ids) for s, ids in zip(samples, render_all(samples, tok, 9999, 9999))}
+        for s, ids in made[fmt].values():
+            assert len(ids) == s.meta["prompt_tokens"] and len(ids) + s.max_new_tokens <= 1024
+            assert s.meta["prompt_format"] == fmt and s.chat_template == (fmt == "tokenizer")
+    niah, ids = made["plain"]["niah_single_1"]
+    assert niah.prompt.startswith("<|im_start|>user\nA special magic number") and niah.prompt.endswith(
+        "<|im_end|>\n<|im_start|>assistant\n")
+    assert "You are a helpful" not in tok.decode(ids)
+    assert "You are a helpful" in tok.decode(made["tokenizer"]["niah_single_1"][1])
+    # the 21 tokens of SmolLM2's default system prompt go to the haystack instead
+    assert niah.meta["haystack"] > made["tokenizer"]["niah_single_1"][0].meta["haystack"]
+    cwe = made["plain"]["cwe"][0]                     # RULER's one-shot: a whole wrapped turn with its answer
+    assert cwe.prompt.count("<|im_start|>user\n") == 2 and not cwe.turns
+    assert cwe.prompt.split("<|im_end|>\n<|im_start|>assistant\n")[1].startswith(cwe.answer_prefix + " 1. ")
+    base = made["none"]["cwe"][0]
+    example, task = base.prompt.split("\nBelow is a numbered list", 1)
+    assert example.startswith("Below is a numbered list") and " Answer: The top 10 words" in example
+    assert "<|im_start|>" not in base.prompt
+
+
+def test_plain_wrapper_needs_a_known_chat_format():
+    class Odd:
+        chat_template = "{{ messages }}"
+    with pytest.raises(TaskError, match="chat_template=tokenizer or none"):
+        ruler.gen.plain_wrapper(Odd())
+    assert ruler.gen.plain_wrapper(type("T", (), {"chat_template": "<|start_header_id|>"})())[0] == "llama3"
+
+
+def test_an_overflowing_sample_falls_back_one_step_as_ruler_does():
+    task = load_task("ruler", "ruler", {"tasks": ["niah_single_2"], "lengths": [1024], "num_samples": 1})
+    tried = []
+
+    def make(size, rng):
+        tried.append(size)
+        return ruler.gen.Draft("x", "", ["y"], {"haystack": size})
+    count = lambda d: 100 if d.info["haystack"] <= 120 and len(tried) > 2 else 999   # noqa: E731
+    draft, tokens = task._fit(make, count, 620, 500, 512, ("niah_single_2", 1024))
+    assert tried == [620, 120, 120] and draft.info["haystack"] == 120 and tokens == 100   # not 500: RULER's rule
+    with pytest.raises(TaskError, match="at length 1024 cannot fit"):
+        task._fit(make, lambda d: 999, 620, 500, 512, ("niah_single_2", 1024))
+
+
+def test_qa_that_cannot_hold_ten_documents_is_a_one_line_error(tok, tmp_path):
+    _qa_fixtures(tmp_path)
+    squad = json.loads((tmp_path / "squad.json").read_text())
+    for para in squad["data"][0]["paragraphs"]:
+        para["context"] += " filler words" * 60
+    (tmp_path / "squad.json").write_text(json.dumps(squad))
+    task = load_task("ruler", "ruler", {"tasks": ["qa_1"], "lengths": [1024], "num_samples": 1,
+                                        "data_dir": str(tmp_path)})
+    with pytest.raises(TaskError, match=r"qa_1 at length 1024: its smallest prompt \(10 documents\).*lengths >= 2048"
+                       ) as err:
+        task.samples(tok)
+    assert "\n" not in str(err.value)
+
+
+def test_average_coverage_says_what_the_average_covers():
+    sweep = ruler.average_coverage(["niah_single_2", "niah_multikey_1", "niah_multivalue", "vt"], [1024],
+                                   "tokenizer")
+    assert sweep["tasks"] == ["niah_single_2", "niah_multikey_1", "niah_multivalue", "vt"]
+    assert sweep["lengths"] == [1024] and not sweep["published_definition"]
+    assert "4 of RULER's 13 tasks" in sweep["line"] and "1,024 tokens" in sweep["line"]
+    assert "Not RULER's published average" in sweep["line"] and "default system prompt" in sweep["line"]
+    synthetic = ruler.average_coverage(list(reversed(SYNTHETIC)), [2048, 1024], "plain")
+    assert synthetic["tasks"] == SYNTHETIC and synthetic["missing_tasks"] == ["qa_1", "qa_2"]
+    assert "11 synthetic tasks" in synthetic["line"] and "without qa_1 and qa_2" in synthetic["line"]
+    assert "no system prompt" in synthetic["line"]
+    assert ruler.average_coverage(ruler.TASKS, ruler.PUBLISHED_LENGTHS, "plain")["published_definition"]
+    rows = [{"meta": {"ruler_task": "vt", "length": 1024, "prompt_format": "plain"}},
+            {"meta": {"ruler_task": "cwe", "length": 2048}}]
+    cov = ruler.coverage_of_rows(rows)
+    assert cov["tasks"] == ["vt", "cwe"] and cov["lengths"] == [1024, 2048]
+    assert cov["prompt_format"] == "mixed formats: plain, unrecorded"
+    task = load_task("ruler", "ruler", {"tasks": ["vt"], "lengths": [1024], "chat_template": False})
+    assert task.coverage()["prompt_format"] == "none"
+
+
 def test_bad_params_fail_in_one_line():
     with pytest.raises(TaskError, match="unknown RULER task"):
         load_task("ruler", "ruler", {"tasks": ["niah_single_9"]})
     with pytest.raises(TaskError, match="lengths"):
         load_task("ruler", "ruler", {"lengths": 4096})
+    with pytest.raises(TaskError, match="chat_template must be one of tokenizer, plain, none"):
+        load_task("ruler", "ruler", {"chat_template": "chatml"})
 
 
 @pytest.mark.slow

@@ -39,7 +39,8 @@ class Engine:
             num_layers=spec.num_layers, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, page_size=cfg.page_size, max_seqs=cfg.max_num_seqs,
             max_model_len=self.max_model_len, device_memory_gb=cfg.device_memory_gb,
-            host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops)
+            host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops,
+            scale=spec.attn_scale)
         self.policy = policy
         policy.bind(self.kv)
         # batch-invariant mode never mixes prefill and decode rows in one forward (a row's matmul shape would then

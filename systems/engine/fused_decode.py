@@ -19,8 +19,6 @@ from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
 from systems.policies.base import DecodeStep, Policy, SeqInfo
 
-FUSED_FAMILIES = ("llama", "mistral", "qwen2")
-
 
 def unsupported(model: LlamaModel, kv: TieredKVCache) -> str | None:
     """Why the fused step cannot run this model and cache here, or None when it can."""
@@ -29,8 +27,12 @@ def unsupported(model: LlamaModel, kv: TieredKVCache) -> str | None:
         return "not a CPU device"
     if model.dtype not in (torch.bfloat16, torch.float32) or kv.dtype != model.dtype:
         return f"dtype {model.dtype} (bf16 or fp32 only)"
-    if s.model_type not in FUSED_FAMILIES or getattr(model, "fused", None) is None:
-        return f"model family {s.model_type!r}"
+    fam = s.family
+    if (fam.qk_norm or fam.unit_offset_norm or fam.sandwich_norms or fam.scaled_embedding or s.activation != "silu"
+            or s.o_bias or s.final_logit_softcapping is not None or len(model.rope_tables) != 1):
+        return f"model family {s.model_type!r} (the fused step runs the plain Llama decoder layer)"
+    if getattr(model, "fused", None) is None:
+        return "the fused elementwise kernels are not built"
     if not cpu_kernels.has_fused_decode():
         return "the CPU kernels are not built"
     lanes = cpu_kernels.gemm_lanes()
@@ -55,6 +57,8 @@ class FusedDecode:
         # policies that keep Policy's no-op decode hooks run the whole stack in one call
         self.per_layer = (type(policy).select_pages is not Policy.select_pages
                           or type(policy).after_append is not Policy.after_append)
+        self.windows = [w or 0 for w in model.spec.layer_windows]
+        self.rope_table = next(iter(model.rope_tables))
         self.last_selected: torch.Tensor | None = None
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
@@ -63,7 +67,7 @@ class FusedDecode:
         model dtype, as the per-op path's). `clock(phase)` after each phase of each layer (append, select,
         attention, rest) forces the per-layer calls."""
         ops, kv, model, spec = torch.ops.kvharness_cpu, self.kv, self.model, self.model.spec
-        cos, sin = model.rope(positions)
+        cos, sin = model.rope(positions, self.rope_table)
         h = F.embedding(ids, model.embed).contiguous()
         eps, nq = spec.rms_norm_eps, spec.num_q_heads
         store = (kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax)
@@ -71,7 +75,7 @@ class FusedDecode:
         delta: torch.Tensor | None = None
         if not self.per_layer and clock is None:
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
-                                      eps, kv.scale)
+                                      eps, kv.scale, self.windows)
         else:
             for layer, (ln1, qkv, bias, o, ln2, gate_up, down) in enumerate(self.layers):
                 q = ops.decode_layer_in(h, delta, ln1, qkv, bias if bias.numel() else None, cos, sin, *store, slots,
@@ -83,7 +87,7 @@ class FusedDecode:
                 self.last_selected = selected
                 if clock:
                     clock("select")
-                attn = ops.decode_layer_attend(q, selected, *store, slots, layer, kv.scale)
+                attn = ops.decode_layer_attend(q, selected, *store, slots, layer, kv.scale, self.windows[layer])
                 if clock:
                     clock("attention")
                 delta = ops.decode_layer_mlp(h, attn, o, ln2, gate_up, down, eps)

@@ -25,10 +25,11 @@ def _pool(n: int, shape: tuple, dtype: torch.dtype, device: torch.device, pin: b
 class TieredKVCache:
     def __init__(self, *, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_model_len: int, device_memory_gb: float, host_memory_gb: float,
-                 dtype: torch.dtype, device: torch.device, ops=None):
+                 dtype: torch.dtype, device: torch.device, ops=None, scale: float | None = None):
+        """`scale`: the model's softmax scale of q.k (None: head_dim ** -0.5; Gemma 3 sets query_pre_attn_scalar)."""
         self.num_layers, self.num_q_heads, self.num_kv_heads = num_layers, num_q_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype, self.device = head_dim, page_size, dtype, torch.device(device)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
         self.max_pages = -(-max_model_len // page_size)
         self.ops = ops or load_ops(self.device)
         elem = torch.empty((), dtype=dtype).element_size()

@@ -20,6 +20,8 @@ class ModelRunner:
         steps run as fused C++ layers where the model and machine allow it (see fused_decode.unsupported)."""
         self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops
         self.device = model.device if model is not None else kv.device
+        # per layer: its sliding window (None: full attention), handed to every attention op
+        self.windows = model.spec.layer_windows if model is not None else (None,) * kv.num_layers
         self.last_selected: torch.Tensor | None = None     # the last layer's page sets (microbenchmarks count them)
         # fixed matmul shapes per phase (see config.PREFILL_TILE): a row's numbers never depend on its batch
         self.prefill_tile = PREFILL_TILE if batch_invariant else None
@@ -82,7 +84,7 @@ class ModelRunner:
         else:       # earlier chunks are stored (all resident): read them back
             k_prev, v_prev = kv.prompt_kv(info.slot, layer, a)
             keys, values = torch.cat([k_prev, k]), torch.cat([v_prev, v])
-        out = self.ops.prompt_attention(q, keys, values, kv.scale)
+        out = self.ops.prompt_attention(q, keys, values, kv.scale, window=self.windows[layer])
         if not self._prompt_hook:
             return out
         if b < seq.prefill_len:      # the hook sees the whole prompt: keep this chunk's queries (keys stay stored)
@@ -109,7 +111,7 @@ class ModelRunner:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.decode_layer(layer, q, k, v, slots, infos)
 
-        hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile)
+        hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile, decode=True)
         return self._model().logits(hidden, tile=self.decode_tile)
 
     def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -127,7 +129,8 @@ class ModelRunner:
             clock("select")
         if selected is None:
             table, counts = kv.decode_tables(slots, layer)
-            out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale)
+            out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale,
+                                             window=self.windows[layer])
         else:
             table, counts = kv.block_table[slots, layer], kv.num_tokens[slots, layer]
             if selected.shape[1] != table.shape[1]:
@@ -135,7 +138,8 @@ class ModelRunner:
                 # pages (a group of one), from the same grouped K/V pools
                 group = selected.shape[1] // table.shape[1]
                 table, counts = table.repeat_interleave(group, 1), counts.repeat_interleave(group, 1)
-            out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, selected, kv.scale)
+            out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, selected, kv.scale,
+                                              window=self.windows[layer])
         self.last_selected = selected
         if clock:
             clock("attention")

@@ -1,15 +1,17 @@
 """FlexiCache: stable KV heads keep only their top-K pages on the device (full KV on the host), unstable heads keep all.
 
-Follows NazmulTakbir/FlexiCache-vLLM-extension. Unstable heads (a profile's 25 %) keep every page
-on the device and read their Quest top-K every step. Stable heads copy every full page to the host once; they read
-whatever they hold on the device and rerank at decode step 1 and every R steps: every page is scored from the MinMax
-cache (offloaded pages too), and only pages newly in the top-K cross host -> device, each into the block of a page
-that left the top-K (block recycling); leftover leavers are freed, their host copy stays.
+Follows NazmulTakbir/FlexiCache-vLLM-extension. A head's top-K is K pages counting the last (partial) one, as the
+official scorer ranks: the last page gets a sentinel score, then the K best are taken, so K - 1 are chosen among the
+others (every page when the head holds <= K). Unstable heads (a profile's 25 %) keep every page on the device and
+read their top-K every step. Stable heads copy every full page to the host once; they read whatever they hold on the
+device and rerank at decode step 1 and every R steps: every page is scored from the MinMax cache (offloaded pages
+too), and only pages newly in the top-K cross host -> device, each into the block of a page that left the top-K
+(block recycling); leftover leavers are freed, their host copy stays.
 
 Where this departs from the official fork, and why:
 - The top-K kept after prefill is ranked with the last prompt token's query, so the non-top-K device blocks are
   freed as each layer's prefill ends (the official frees them after the first decode ranking). The device footprint
-  is then K + 1 pages per stable head from admission on, which is what lets a capped pool admit more requests;
+  is then K pages per stable head from admission on, which is what lets a capped pool admit more requests;
   decode step 1 reranks with the real decode query as in the official code.
 - A rerank step's attention reads the pages resident when it starts; the promotion is issued after that layer's
   attention (so recycled blocks are no longer read) and serves the next step. On CUDA the engine pauses the request
@@ -104,17 +106,17 @@ class FlexiCache(Policy):
         pages = -(-prompt_len // self.page_size)
         n_unstable = self._unstable_cpu.sum(-1)                          # [L]
         n_stable = self.num_kv_heads - n_unstable
-        kept = min(pages, self.top_k + 1)
+        kept = min(pages, self.top_k)
         settled = int((n_unstable * pages + n_stable * kept).sum())
         transient = int(n_stable.max()) * (pages - kept)                 # one layer's stable heads before release
         return settled + transient
 
     def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
-        """Unstable heads hold every page; stable heads their top-K pages plus the partial last one."""
+        """Unstable heads hold every page; stable heads their top-K pages, the partial last one among them."""
         pages = -(-(prompt_len + output_tokens - 1) // self.page_size)
         n_unstable = int(self._unstable_cpu.sum())
         n_stable = self.num_layers * self.num_kv_heads - n_unstable
-        return n_unstable * pages + n_stable * min(pages, self.top_k + 1)
+        return n_unstable * pages + n_stable * min(pages, self.top_k)
 
     def expected_blocks_slack(self) -> int:
         return self.num_layers * self.num_kv_heads      # a reranked page in flight: within one page per head
@@ -147,12 +149,10 @@ class FlexiCache(Policy):
             pp = torch.arange(full, device=kv.device).repeat(stable.numel())
             self._tier_call(kv.offload_pages, slot, layer, hh, pp)
             stats["offloaded_pages"] += hh.numel()
-        if n_pages - 1 > self.top_k:
+        if n_pages > self.top_k:
             top = kv.top_pages(torch.tensor([slot], device=kv.device), layer, self._group_q(kv, q[-1:], stable),
-                               self.top_k, keep_last=False, heads=stable, width=n_pages)[0]         # [s, K]
-            keep = selection.as_mask(top, n_pages)
-            keep[:, n_pages - 1] = True
-            hi, pp = (~keep).nonzero(as_tuple=True)
+                               self.top_k, keep_last=True, heads=stable, width=n_pages)[0]          # [s, K]
+            hi, pp = (~selection.as_mask(top, n_pages)).nonzero(as_tuple=True)
             self._tier_call(kv.release_device_pages, slot, layer, stable[hi], pp)
             stats["released_pages"] += pp.numel()
         stats["copy_time_s"] += time.perf_counter() - t0
@@ -172,22 +172,22 @@ class FlexiCache(Policy):
         layer, slots, K = step.layer, step.slots, self.top_k
         # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
         width = -(-max(seq.seq_len for seq in step.seqs) // kv.page_size)
-        if width <= K + 1:                                            # nothing was released: every page is read
+        if width <= K:                                                # nothing was released: every page is read
             return None
         stable, unstable = self._stable_heads[layer], self._unstable_heads[layer]
         rows = self._reranks(step.seqs)
         if rows and stable.numel():                                   # stable heads: the next step's top-K
             r = torch.tensor(rows, device=kv.device)
-            top = kv.top_pages(slots[r], layer, self._group_q(kv, step.q[r], stable), K, keep_last=False,
+            top = kv.top_pages(slots[r], layer, self._group_q(kv, step.q[r], stable), K, keep_last=True,
                                heads=stable, width=width)
             self._pending[layer] = (r, top)
-        # stable heads read what they hold on the device (top-K + last page, no scoring between reranks);
-        # unstable heads hold everything and read their top-K + last page, reranked every step
+        # stable heads read what they hold on the device (their top-K and the pages filled since, no scoring between
+        # reranks); unstable heads hold everything and read their top-K, reranked every step
         parts = []
         if stable.numel():
             parts.append((stable, self._resident(kv, step, stable)))
         if unstable.numel():
-            parts.append((unstable, kv.top_pages(slots, layer, self._group_q(kv, step.q, unstable), K + 1,
+            parts.append((unstable, kv.top_pages(slots, layer, self._group_q(kv, step.q, unstable), K,
                                                  keep_last=True, heads=unstable, width=width)))
         if len(parts) == 1:
             return parts[0][1]
@@ -237,7 +237,7 @@ class FlexiCache(Policy):
             self._stats[seq.slot]["copy_time_s"] += dt / len(step.seqs)
 
     def _apply_rerank(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, top: torch.Tensor) -> None:
-        """The reranked rows' stable heads: the new top-K + last page against what they hold now."""
+        """The reranked rows' stable heads: the new top-K (the last page among it) against what they hold now."""
         self._held.pop(step.layer, None)
         heads = self._stable_heads[step.layer]
         num_pages = selection.pages_of(kv.num_tokens[step.slots[rows], step.layer][:, heads], kv.page_size)
@@ -245,7 +245,6 @@ class FlexiCache(Policy):
         valid = self._page_index[:M] < num_pages.unsqueeze(-1)
         resident = (kv.block_table[step.slots[rows], step.layer][:, heads, :M] != 0) & valid
         chosen = selection.as_mask(top, M)
-        chosen.scatter_(-1, (num_pages - 1).unsqueeze(-1), True)       # the partial last page stays
         self._swap(kv, step, rows, heads, resident, chosen)
 
     def _swap(self, kv: KVView, step: DecodeStep, rows, heads, resident, chosen) -> None:
@@ -261,7 +260,7 @@ class FlexiCache(Policy):
                                 left_page)
         promoted = torch.bincount(pair_row // S, minlength=R).tolist()
         released = torch.bincount(left_row // S, minlength=R).tolist()
-        topk_pages = (chosen.sum((-1, -2)) - S).tolist()              # the always-kept last page is not top-K
+        topk_pages = chosen.sum((-1, -2)).tolist()
         for i, b in enumerate(rows.tolist()):
             seq = step.seqs[b]
             st = self._stats[seq.slot]
@@ -288,7 +287,7 @@ class FlexiCache(Policy):
         stats.update(st, budget_tokens=self.budget, top_k=self.top_k, naive=self.naive,
                      unstable_heads=n_unstable, stable_heads=n_stable, profile=self.profile_source,
                      device_kv_bytes=stats["device_pages"] * self.bytes_per_block,
-                     analytic_device_kv_bytes=(n_unstable * pages + n_stable * min(pages, self.top_k + 1))
+                     analytic_device_kv_bytes=(n_unstable * pages + n_stable * min(pages, self.top_k))
                      * self.bytes_per_block,
                      minmax_bytes=self.num_layers * self.num_kv_heads * pages * self.minmax_bytes_per_page)
         return stats

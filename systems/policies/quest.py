@@ -1,12 +1,19 @@
 """Quest: each decode step every query head reads its top-K pages by the MinMax upper bound of q.k; nothing is evicted.
 
-Follows mit-han-lab/Quest: pages of 16 tokens, K = budget // page_size pages (at least 3) counting the last
-(partial) page, which is always read; the first two layers and the prefill are dense; the full KV stays on the
-device, so Quest saves reads, not memory. Granularity `query_head` (default) is the official accuracy path: after
-repeat_kv every query head scores the pages with its own query and attends to its own K pages; the engine reads the
-union of a KV head's group selections once from the grouped cache (K/V are never copied per query head), and the
-pages-read counter counts that union. `kv_head` is the cheaper variant (one set per KV head, the bound maxed over
-its query group), as Quest's efficiency kernels do for grouped models.
+Follows mit-han-lab/Quest: pages of 16 tokens, the bound sum_d max(q_d kmin_d, q_d kmax_d), the first two layers and
+the prefill dense, the full KV kept on the device (Quest saves reads, not memory). Quest has two code paths with
+different page rules, and `selection_rule` picks one:
+- `accuracy_path` (default): evaluation/quest_attention.py, the path Quest's accuracy numbers come from and the only
+  one that runs grouped-query models. Each step takes the top k pages over all pages, k = min(max(3, min(kv_len,
+  budget) // 16), pages): the last (partial) page competes like any other, and a sequence shorter than the budget
+  still reads k of its pages (kv_len // 16, one less than it holds when its last page is partial), not all of them.
+- `efficiency_kernels`: quest/models/llama.py with its controller and kernels, which assume one KV head per query
+  head (no grouped-query models) and batch 1. The last page is always read plus the top K - 1 of the others
+  (K = budget // 16, at least `min_pages`), and a head with at most K pages attends densely.
+Granularity `query_head` (default) is the accuracy path's: after repeat_kv every query head scores the pages with
+its own query and attends to its own pages; the engine reads the union of a KV head's group selections once from
+the grouped cache (K/V are never copied per query head), and the pages-read counter counts that union. `kv_head` is
+the project's cheaper variant, in neither official path: one set per KV head, the bound maxed over its query group.
 """
 from __future__ import annotations
 
@@ -18,26 +25,39 @@ import torch
 from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
 from systems.policy_support import selection
 
+RULES = ("accuracy_path", "efficiency_kernels")
+
 
 @dataclass
 class Quest(Policy):
     budget: int = 1024        # tokens read per step and KV head (= pages x engine.page_size, Quest's 16-token chunks)
-    skip_layers: int = 2      # `_quest_skip_layer = 2`: the first layers attend densely
+    skip_layers: int = 2      # `layer_id < 2` / `_quest_skip_layer = 2`: the first layers attend densely
     min_pages: int = 3        # `max(3, token_budget // 16)`
     granularity: str = "query_head"   # query_head (official accuracy path) | kv_head (one set per KV head)
+    selection_rule: str = "accuracy_path"   # accuracy_path | efficiency_kernels (see the module docstring)
 
     name = "quest"
 
     def __post_init__(self) -> None:
         if self.granularity not in ("query_head", "kv_head"):
             raise ValueError(f"quest: granularity must be query_head or kv_head, got {self.granularity!r}")
+        if self.selection_rule not in RULES:
+            raise ValueError(f"quest: selection_rule must be one of {', '.join(RULES)}, got {self.selection_rule!r}")
         if self.budget <= 0 or self.min_pages < 1 or self.skip_layers < 0:
             raise ValueError(f"quest: budget and min_pages must be positive and skip_layers >= 0, got "
                              f"budget={self.budget} min_pages={self.min_pages} skip_layers={self.skip_layers}")
 
     @property
     def pages_per_step(self) -> int:
+        """K once the context holds the budget (both rules)."""
         return max(self.min_pages, self.budget // self.page_size)
+
+    def pages_for(self, seq_len: int) -> int:
+        """The pages a head of a sequence of seq_len tokens reads at a sparse layer under the chosen rule."""
+        held = -(-seq_len // self.page_size)
+        if self.selection_rule == "efficiency_kernels":
+            return min(held, self.pages_per_step)
+        return min(max(self.min_pages, min(seq_len, self.budget) // self.page_size), held)
 
     def configure(self, dims: KVDims) -> None:
         super().configure(dims)
@@ -64,23 +84,30 @@ class Quest(Policy):
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
-        P, k, H = kv.page_size, self.pages_per_step, kv.num_kv_heads
-        pages = [-(-seq.seq_len // P) for seq in step.seqs]
-        dense = step.layer < self.skip_layers or max(pages) <= k
+        P, H = kv.page_size, kv.num_kv_heads
+        held = [-(-seq.seq_len // P) for seq in step.seqs]
+        reads = [self.pages_for(seq.seq_len) for seq in step.seqs]
+        # reading every page a sequence holds is dense attention, whichever rule chose it
+        dense = step.layer < self.skip_layers or reads == held
         per_query = not dense and self.granularity == "query_head" and self._group > 1
-        for seq, n in zip(step.seqs, pages):                       # a head reads min(K, its pages) pages
+        for seq, n, k in zip(step.seqs, held, reads):
             if not per_query:
-                self._pages_read[seq.slot] += H * (n if dense else min(n, k))
+                self._pages_read[seq.slot] += H * (n if dense else k)
             self._head_steps[seq.slot] += H
         if dense:
             return None
-        if not per_query:
-            return kv.top_pages(step.slots, step.layer, step.q, k, keep_last=True, width=max(pages))
+        width = max(held)
         # each query head scores with its own query: list its KV head once per query head (a group of one)
-        chosen = kv.top_pages(step.slots, step.layer, step.q, k, keep_last=True, heads=self._query_heads,
-                              width=max(pages))                                   # [B, Hq, K]
-        union = selection.as_mask(chosen.view(len(pages), H, -1), max(pages))    # [B, H*G*K] -> per KV head
-        self._union_read.index_add_(0, step.slots, union.view(len(pages), H, -1).sum((1, 2)))
+        heads = self._query_heads if per_query else None
+        if self.selection_rule == "efficiency_kernels":
+            chosen = kv.top_pages(step.slots, step.layer, step.q, self.pages_per_step, keep_last=True, heads=heads,
+                                  width=width)
+        else:
+            scores = kv.score_pages(step.slots, step.layer, step.q, heads=heads, width=width)
+            chosen = selection.topk_per_sequence(scores, torch.tensor(reads, device=scores.device))
+        if per_query:                                                             # [B, Hq, K] -> union per KV head
+            union = selection.as_mask(chosen.view(len(held), H, -1), width)
+            self._union_read.index_add_(0, step.slots, union.view(len(held), H, -1).sum((1, 2)))
         return chosen
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
@@ -88,7 +115,7 @@ class Quest(Policy):
         steps = self._head_steps[seq.slot]
         read = self._pages_read[seq.slot] + int(self._union_read[seq.slot])
         stats.update(budget_tokens=self.budget, pages_per_step=self.pages_per_step, granularity=self.granularity,
-                     mean_pages_read=read / steps if steps else None)
+                     selection_rule=self.selection_rule, mean_pages_read=read / steps if steps else None)
         return stats
 
 

@@ -3,11 +3,11 @@
 Per step and (layer, KV head): the top-K page set under Quest scoring (FlexiCache's head classification) and the
 share of attention mass outside the sink + local window (the project's proxy for LServe's streaming heads).
 
-Nothing is evicted or skipped: select_pages returns None, so the output is the dense output. The top-K set is
-chosen among every page but the last (partial) one, as FlexiCache's runtime ranks its stable heads; `num_pages`
-records N_t, every page the head holds at step t (the partial one included), the N of FlexiCache's random-corrected
-overlap (TopK-Analysis: ceil((prompt + t) / page_size)). Finished traces wait in `finished[request_id]` for the
-profiler (harness/experiments/head_stability.py) to collect.
+Nothing is evicted or skipped: select_pages returns None, so the output is the dense output. The top-K set is the
+one FlexiCache's runtime selects: K pages counting the last (partial) one, which its scorer always ranks first;
+`num_pages` records N_t, every page the head holds at step t (the partial one included), the N of FlexiCache's
+random-corrected overlap (TopK-Analysis: ceil((prompt + t) / page_size)). Finished traces wait in
+`finished[request_id]` for the profiler (harness/experiments/head_stability.py) to collect.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class TopKTrace(Policy):
     def select_pages(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots = step.layer, step.slots
         num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)
-        top = kv.top_pages(slots, layer, step.q, self.top_k, keep_last=False)
+        top = kv.top_pages(slots, layer, step.q, self.top_k, keep_last=True)
         top = torch.nn.functional.pad(top, (0, self.top_k - top.shape[-1]), value=selection.PAD).to(torch.int16)
         mass = self._outside_mass(kv, step) if self.attention_mass else None
         for b, seq in enumerate(step.seqs):

@@ -6,6 +6,9 @@ format.
 """
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import torch
 
 PAD = -1
@@ -39,18 +42,23 @@ def topk_with_last(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> tor
     engine's fused op with this contract. scores [B, H, M] (-inf beyond num_pages), num_pages [B, H] >= 1. Returns
     [B, H, min(k, M)] int64 in any order, rows with fewer pages padded with PAD.
     """
-    return _topk(scores, num_pages, k, float("inf"))
-
-
-def candidates_topk(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> torch.Tensor:
-    """The k best pages among every page but the last (FlexiCache's top-K over full pages); [B, H, min(k, M)]."""
-    return _topk(scores, num_pages, k, float("-inf"))
-
-
-def _topk(scores: torch.Tensor, num_pages: torch.Tensor, k: int, last_score: float) -> torch.Tensor:
     last = (num_pages.long() - 1).clamp(min=0).unsqueeze(-1)
-    top = scores.scatter(-1, last, last_score).topk(min(k, scores.shape[-1]), dim=-1, sorted=False)
+    top = scores.scatter(-1, last, float("inf")).topk(min(k, scores.shape[-1]), dim=-1, sorted=False)
     return torch.where(torch.isneginf(top.values), PAD, top.indices)
+
+
+def topk_per_sequence(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The k[b] best-scoring pages of every head of sequence b, the last page competing like any other.
+
+    scores [B, H, M] (-inf beyond a head's pages), k [B] >= 1. Returns [B, H, max(k)] int64, best first, padded with
+    PAD past k[b] and past a head's pages. Ties go to the lower page (a stable sort), so a sequence's pages never
+    depend on the rest of its batch.
+    """
+    width = min(int(k.max()), scores.shape[-1])
+    values, index = scores.sort(dim=-1, descending=True, stable=True)
+    values, index = values[..., :width], index[..., :width]
+    beyond = torch.arange(width, device=scores.device).view(1, 1, width) >= k.view(-1, 1, 1)
+    return torch.where(beyond | torch.isneginf(values), PAD, index)
 
 
 def compact(mask: torch.Tensor) -> torch.Tensor:
@@ -122,51 +130,62 @@ def temporal_stability(trace: torch.Tensor, num_pages: torch.Tensor, k: int, win
     """TS of each head in each non-overlapping window: mean of RCO(S_s, S_{s+d}) for d = 1 .. W-1.
 
     trace [T, H, K] page sets per decode step and head (padded), num_pages [T] (N_t at each step). Returns
-    [T // W, H] fp64; a window with any step where N_t <= K is NaN.
+    [T // W, H] fp32; a window with any step where N_t <= K is NaN. The arithmetic is FlexiCache's analysis step for
+    step (fp32, a [H, W-1] RCO row per window, mean over the row), so 1 - TS is bit for bit its instability score and
+    ties between heads fall as they fall there.
     """
     T, H, _ = trace.shape
     C = T // window
     if C == 0:
-        return torch.empty((0, H), dtype=torch.float64)
+        return torch.empty((0, H), dtype=torch.float32)
     M = int(num_pages.max())
     sets = as_mask(trace[:C * window], M).view(C, window, H, M)
-    inter = (sets[:, :1] & sets[:, 1:]).sum(-1)                       # [C, W-1, H]
-    n = num_pages[:C * window].view(C, window)[:, 1:].unsqueeze(-1)
-    ok = (num_pages[:C * window].view(C, window) > k).all(-1).view(C, 1)
-    ts = rco(inter, k, n).mean(1)
-    return torch.where(ok, ts, torch.nan)
+    inter = (sets[:, :1] & sets[:, 1:]).sum(-1, dtype=torch.int32).to(torch.float32)        # [C, W-1, H]
+    inter = inter.transpose(1, 2).contiguous()                                               # [C, H, W-1]
+    n = num_pages[:C * window].view(C, window)
+    chance = float(k) / n[:, 1:].to(torch.float32).unsqueeze(1)                              # [C, 1, W-1]
+    ts = ((inter / float(k) - chance) / (1.0 - chance)).clamp(min=0.0).mean(-1)
+    return torch.where((n > k).all(-1, keepdim=True), ts, torch.nan)
 
 
 def bottom_sets(ts: torch.Tensor, count: int) -> torch.Tensor:
-    """Per window, membership [C, H] of the `count` heads with the lowest TS (ties to the lower head index)."""
-    order = torch.sort(ts, dim=-1, stable=True).indices[:, :count]
-    return torch.zeros_like(ts, dtype=torch.bool).scatter_(1, order, True)
+    """Per window, membership [C, H] of the `count` least stable heads: torch.topk of the instability 1 - TS, as the
+    official analysis takes them (so ties resolve as there)."""
+    chosen = torch.topk(1.0 - ts, k=count, dim=1, largest=True, sorted=False).indices
+    return torch.zeros_like(ts, dtype=torch.bool).scatter_(1, chosen, True)
+
+
+def _complete(ts: torch.Tensor) -> torch.Tensor:
+    return ts[~torch.isnan(ts).any(-1)]
 
 
 def unstable_by_frequency(ts: torch.Tensor, count: int) -> tuple[list[int], torch.Tensor]:
-    """Heads most often among a window's `count` least stable; ties broken by lower mean TS. Windows with NaN are
-    skipped. Returns (the `count` heads, ascending by head index, and the per-head frequency [H])."""
-    valid = ts[~torch.isnan(ts).any(-1)]
+    """The `count` heads most often among a window's `count` least stable, ranked by np.argsort of the negated
+    frequencies (the official ranking, ties included). Windows with NaN are skipped. Returns (the heads ascending by
+    index, the per-head frequency [H])."""
+    valid = _complete(ts)
     if valid.shape[0] == 0:
         raise ValueError("no complete stability window: decode longer (>= W steps) with more pages than K")
     freq = bottom_sets(valid, count).sum(0)
-    mean_ts = valid.mean(0)
-    rank = sorted(range(ts.shape[1]), key=lambda h: (-int(freq[h]), float(mean_ts[h]), h))
-    return sorted(rank[:count]), freq
+    ranking = np.argsort(-freq.numpy().astype(np.int64))
+    return sorted(int(h) for h in ranking[:count]), freq
 
 
 def consensus_split(ts: torch.Tensor, count: int, seed: int = 43) -> tuple[list[int], float, float]:
-    """FlexiCache's final unstable set (TopK-Analysis/analyze_head_stability.py): shuffle the windows (seed 43),
-    take the `count` heads most often in a window's bottom set on the first half, and measure their recall of each
-    window's bottom set on the second half. Returns (heads ascending, recall, random baseline count / heads)."""
-    valid = ts[~torch.isnan(ts).any(-1)]
+    """FlexiCache's final unstable set (TopK-Analysis/analyze_head_stability.py): shuffle the windows with Python's
+    `random` seeded 43, take the `count` heads most often in a window's bottom set on the first half, and measure
+    their recall of each window's bottom set on the second half. The shuffle is the official one for a profile made
+    from this task alone (the first shuffle after seeding). Returns (heads ascending, recall, random baseline
+    count / heads)."""
+    valid = _complete(ts)
     baseline = count / ts.shape[1]
     if valid.shape[0] < 2:
         raise ValueError("need at least two complete stability windows: decode longer (>= 2 W steps) or profile "
                          "more samples")
-    perm = torch.randperm(valid.shape[0], generator=torch.Generator().manual_seed(seed))
-    half = valid.shape[0] // 2
-    first, second = valid[perm[:half]], valid[perm[half:]]
-    chosen, _ = unstable_by_frequency(first, count)
-    hits = bottom_sets(second, count)[:, chosen].sum(-1).double() / count
-    return chosen, float(hits.mean()), baseline
+    order = list(range(valid.shape[0]))
+    random.Random(seed).shuffle(order)
+    half = len(order) // 2
+    chosen, _ = unstable_by_frequency(valid[order[:half]], count)
+    held_out = bottom_sets(valid[order[half:]], count)
+    recalls = [int(row[chosen].sum()) / count for row in held_out]
+    return chosen, float(np.mean(recalls)), baseline

@@ -10,7 +10,7 @@ using namespace kvh;
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                             const at::Tensor& block_table, const at::Tensor& num_tokens,
-                            const c10::optional<at::Tensor>& selected, double scale) {
+                            const c10::optional<at::Tensor>& selected, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && block_table.dim() == 3, "decode attention: bad ranks");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "decode attention: pools must be contiguous");
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type(), "decode attention: K/V dtypes differ");
@@ -25,7 +25,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   TORCH_CHECK(num_tokens.min().item<int>() >= 1, "decode attention: every head needs at least one token");
   at::Tensor table = block_table.contiguous(), counts = num_tokens.contiguous();
   at::Tensor sel;
-  Listing ls{table.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), nullptr, table.size(2), 0, P};
+  Listing ls{table.data_ptr<int32_t>(), counts.data_ptr<int32_t>(), nullptr, table.size(2), 0, P, window};
   if (selected.has_value()) {
     sel = selected->to(at::kLong).contiguous();
     TORCH_CHECK(sel.dim() == 3 && sel.size(0) == B && sel.size(1) == Hkv, "decode attention: selected [B, Hkv, K]");
@@ -74,5 +74,5 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
 
 TORCH_LIBRARY(kvharness_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_table, Tensor num_tokens, "
-        "Tensor? selected, float scale) -> Tensor", &decode_attention);
+        "Tensor? selected, float scale, int window=0) -> Tensor", &decode_attention);
 }

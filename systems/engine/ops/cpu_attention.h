@@ -26,16 +26,21 @@ namespace {
 // e^x for x <= 0 (scores minus their running max)
 inline float exp_nonpos(float x) { return exp_clamped(x); }
 
+// The tokens of logical page `page` a query reads: from the first one in its window (tokens before `first` are
+// skipped) to the last one held. *token: index of the first read token in the pool; *valid: how many (<= 0: none).
+inline void page_span(int64_t block, int64_t page, int64_t n, int64_t first, int P, int64_t* token, int* valid) {
+  const int64_t lo = std::max<int64_t>(0, first - page * P);
+  *token = block * P + lo;
+  *valid = static_cast<int>(std::min<int64_t>(P, n - page * P) - lo);
+}
+
 // Every page of a head, in table order: page j holds min(P, n - j*P) tokens.
 struct AllPages {
   const int32_t* table;
-  int64_t n;
+  int64_t n, first;
   int P;
   int64_t count() const { return (n + P - 1) / P; }
-  void at(int64_t j, int64_t* block, int* valid) const {
-    *block = table[j];
-    *valid = static_cast<int>(std::min<int64_t>(P, n - j * P));
-  }
+  void at(int64_t j, int64_t* token, int* valid) const { page_span(table[j], j, n, first, P, token, valid); }
 };
 
 // Only the selected logical pages (any order, entries < 0 are padding): softmax does not care about order, so
@@ -44,17 +49,16 @@ struct SelectedPages {
   const int64_t* selected;
   int64_t K;
   const int32_t* table;
-  int64_t n;
+  int64_t n, first;
   int P;
   int64_t count() const { return K; }
-  void at(int64_t j, int64_t* block, int* valid) const {
+  void at(int64_t j, int64_t* token, int* valid) const {
     const int64_t page = selected[j];
     if (page < 0) {
       *valid = 0;
       return;
     }
-    *block = table[page];
-    *valid = static_cast<int>(std::min<int64_t>(P, n - page * P));
+    page_span(table[page], page, n, first, P, token, valid);
   }
 };
 
@@ -73,11 +77,11 @@ void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const 
   }
   const int64_t pages = list.count();
   for (int64_t j = 0; j < pages; ++j) {
-    int64_t block = 0;
+    int64_t token = 0;
     int valid = 0;
-    list.at(j, &block, &valid);
+    list.at(j, &token, &valid);
     if (valid <= 0) continue;
-    const int64_t base = block * P * D;
+    const int64_t base = token * D;
     const T* kp = k_pool + base;
     const T* vp = v_pool + base;
     for (int t = 0; t < valid; ++t) {
@@ -144,16 +148,16 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
     l[g] = 0.0f;
   }
   const int64_t pages = list.count();
-  int64_t block = 0, next_block = 0;
+  int64_t token = 0, next_token = 0;
   int valid = 0, next_valid = 0;
-  if (pages) list.at(0, &next_block, &next_valid);
+  if (pages) list.at(0, &next_token, &next_valid);
   for (int64_t j = 0; j < pages; ++j) {
-    block = next_block;
+    token = next_token;
     valid = next_valid;
     if (j + 1 < pages) {  // prefetch the next page: pages are scattered blocks, beyond the hardware prefetcher
-      list.at(j + 1, &next_block, &next_valid);
+      list.at(j + 1, &next_token, &next_valid);
       if (next_valid > 0) {
-        const int64_t next = next_block * P * D;
+        const int64_t next = next_token * D;
         for (int off = 0; off < next_valid * D; off += 32) {
           _mm_prefetch(reinterpret_cast<const char*>(k_pool + next + off), _MM_HINT_T0);
           _mm_prefetch(reinterpret_cast<const char*>(v_pool + next + off), _MM_HINT_T0);
@@ -161,7 +165,7 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
       }
     }
     if (valid <= 0) continue;
-    const int64_t base = block * P * D;
+    const int64_t base = token * D;
     for (int c0 = 0; c0 < valid; c0 += 16) {
       const int nc = std::min(16, valid - c0);
       const uint16_t* kp = k_pool + base + static_cast<int64_t>(c0) * D;
@@ -221,18 +225,20 @@ struct Listing {
   const int64_t* selected;   // [rows, K] or null: all pages
   int64_t M, K;
   int P;
+  int64_t window = 0;         // sliding window (keys a query sees, itself included); 0: unbounded
   const int64_t* slots = nullptr;
   int64_t heads = 1, seq_stride = 0, layer_offset = 0, kv_div = 1;
+  int64_t first(int64_t n) const { return window > 0 ? std::max<int64_t>(0, n - window) : 0; }
   int64_t entry(int64_t i) const {
     return slots ? slots[i / heads] * seq_stride + layer_offset + (i % heads) / kv_div : i;
   }
   AllPages all(int64_t i) const {
     const int64_t e = entry(i);
-    return AllPages{table + e * M, counts[e], P};
+    return AllPages{table + e * M, counts[e], first(counts[e]), P};
   }
   SelectedPages chosen(int64_t i) const {
     const int64_t e = entry(i);
-    return SelectedPages{selected + i * K, K, table + e * M, counts[e], P};
+    return SelectedPages{selected + i * K, K, table + e * M, counts[e], first(counts[e]), P};
   }
 };
 

@@ -112,7 +112,8 @@ at::Tensor layer_in(at::Tensor& h, const T* delta, const at::Tensor& ln1, const 
 
 // Attention of q [B, Hq, D] over each head's pages (all, or `selected` [B, Hkv or Hq, K]) -> [B, Hq * D], dtype T.
 template <typename T>
-at::Tensor attend(const at::Tensor& q, const at::Tensor& selected, const Storage& st, int64_t layer, double scale) {
+at::Tensor attend(const at::Tensor& q, const at::Tensor& selected, const Storage& st, int64_t layer, double scale,
+                  int64_t window) {
   const int64_t B = q.size(0), Hq = q.size(1), D = st.D;
   const int G = static_cast<int>(Hq / st.Hkv);
   Listing ls{ptr<int32_t>(st.block_table), ptr<int32_t>(st.num_tokens), nullptr, st.M, 0, static_cast<int>(st.P)};
@@ -120,6 +121,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& selected, const Storage
   ls.seq_stride = st.L * st.Hkv;
   ls.layer_offset = layer * st.Hkv;
   ls.heads = st.Hkv;
+  ls.window = window;
   int64_t rows = B * st.Hkv;
   int group = G;
   at::Tensor sel;
@@ -199,11 +201,11 @@ at::Tensor decode_layer_in(at::Tensor h, const c10::optional<at::Tensor>& delta,
 at::Tensor decode_layer_attend(const at::Tensor& q, const c10::optional<at::Tensor>& selected,
                                const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
                                const at::Tensor& num_tokens, const at::Tensor& kmin, const at::Tensor& kmax,
-                               const at::Tensor& slots, int64_t layer, double scale) {
+                               const at::Tensor& slots, int64_t layer, double scale, int64_t window) {
   Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(2) == st.D, "fused decode: q [B, Hq, D] contiguous");
   at::Tensor out;
-  by_dtype(q, [&](auto tag) { out = attend<decltype(tag)>(q, opt(selected), st, layer, scale); });
+  by_dtype(q, [&](auto tag) { out = attend<decltype(tag)>(q, opt(selected), st, layer, scale, window); });
   return out;
 }
 
@@ -218,14 +220,16 @@ at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tens
 }
 
 // Layers [first, last) of a decode step for a policy that reads every page. weights: 7 per layer from `first`
-// (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down). Returns the last layer's delta (h updated).
+// (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down); windows: each layer's sliding window (0: none).
+// Returns the last layer's delta (h updated).
 at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at::TensorList weights,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& num_tokens,
                          const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots, int64_t first,
-                         int64_t last, int64_t num_q_heads, double eps, double scale) {
+                         int64_t last, int64_t num_q_heads, double eps, double scale, at::IntArrayRef windows) {
   check_rows(h, delta);
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * (last - first), "decode_layers: 7 weights per layer");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * (last - first) &&
+              static_cast<int64_t>(windows.size()) == last - first, "decode_layers: 7 weights and a window per layer");
   Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
   std::vector<float> wide;
   at::Tensor d = delta.has_value() ? *delta : at::Tensor();
@@ -236,7 +240,7 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
       const at::Tensor bias = w[2].numel() ? w[2] : at::Tensor();
       at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
                                  num_q_heads, eps, wide);
-      d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale), w[3], w[4], w[5], w[6], eps, wide);
+      d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6], eps, wide);
     }
   });
   return d;
@@ -266,13 +270,14 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
         "Tensor(e!) kmin, Tensor(f!) kmax, Tensor slots, int layer, int num_q_heads, float eps) -> Tensor",
         &decode_layer_in);
   m.def("decode_layer_attend(Tensor q, Tensor? selected, Tensor k_pool, Tensor v_pool, Tensor block_table, "
-        "Tensor num_tokens, Tensor kmin, Tensor kmax, Tensor slots, int layer, float scale) -> Tensor",
+        "Tensor num_tokens, Tensor kmin, Tensor kmax, Tensor slots, int layer, float scale, int window) -> Tensor",
         &decode_layer_attend);
   m.def("decode_layer_mlp(Tensor(a!) h, Tensor attn, Tensor o, Tensor ln2, Tensor gate_up, Tensor down, "
         "float eps) -> Tensor", &decode_layer_mlp);
   m.def("decode_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, Tensor(f!) kmax, "
-        "Tensor slots, int first, int last, int num_q_heads, float eps, float scale) -> Tensor", &decode_layers);
+        "Tensor slots, int first, int last, int num_q_heads, float eps, float scale, int[] windows) -> Tensor",
+        &decode_layers);
   m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, float eps) -> Tensor",
         &decode_logits);
 }

@@ -120,14 +120,15 @@ def _fits(q: torch.Tensor, pool: torch.Tensor, num_kv_heads: int) -> bool:
             and q.shape[1] // num_kv_heads <= MAX_GROUP and pool.is_contiguous() and available())
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Same contract as torch_attention.prompt_attention. The kernel (bf16 dot products, built only for CPUs with
     AVX512-BF16) runs where torch's flash attention would widen bf16 to fp32; on CPUs with AMX tiles torch's own
-    kernel multiplies on the tiles and stays."""
-    if (q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+    kernel multiplies on the tiles and stays. It has no sliding window: windowed layers take the torch path."""
+    if (window is None and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and _bf16_prompt_kernel()):
         return torch.ops.kvharness_cpu.prompt_attention(q, k, v, float(scale))
-    return torch_attention.prompt_attention(q, k, v, scale)
+    return torch_attention.prompt_attention(q, k, v, scale, window)
 
 
 def has_model_steps() -> bool:
@@ -155,23 +156,26 @@ def _bf16_prompt_kernel() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                           num_tokens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Same contract as torch_attention.paged_decode_attention; reads the listed pages in place."""
+                           num_tokens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """Same contract as torch_attention.paged_decode_attention; reads the listed pages in place (with a window,
+    only the tokens in it)."""
     if not _fits(q, k_pool, block_table.shape[1]):
-        return torch_attention.paged_decode_attention(q, k_pool, v_pool, block_table, num_tokens, scale)
+        return torch_attention.paged_decode_attention(q, k_pool, v_pool, block_table, num_tokens, scale, window)
     return torch.ops.kvharness_cpu.decode_attention(q, k_pool, v_pool, block_table.to(torch.int32),
-                                                    num_tokens.to(torch.int32), None, float(scale))
+                                                    num_tokens.to(torch.int32), None, float(scale), window or 0)
 
 
 def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float) -> torch.Tensor:
+                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float,
+                            window: int | None = None) -> torch.Tensor:
     """Same contract as torch_attention.sparse_decode_attention; the selected pages are read in the order given
     (no gathered table), unselected pages never."""
     if not _fits(q, k_pool, block_table.shape[1]):
         return torch_attention.sparse_decode_attention(q, k_pool, v_pool, block_table, num_tokens, selected_pages,
-                                                       scale)
+                                                       scale, window)
     return torch.ops.kvharness_cpu.decode_attention(q, k_pool, v_pool, block_table.to(torch.int32),
-                                                    num_tokens.to(torch.int32), selected_pages, float(scale))
+                                                    num_tokens.to(torch.int32), selected_pages, float(scale),
+                                                    window or 0)
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,

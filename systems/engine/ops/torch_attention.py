@@ -1,12 +1,17 @@
 """Attention (torch reference): causal prompt attention, and paged decode attention over per-(sequence, KV head)
-block tables, dense and sparse top-K."""
+block tables, dense and sparse top-K; each optionally restricted to a sliding window.
+
+`window` = W (None: unbounded) lets a query see the W most recent keys, itself included, as HF's sliding-window
+layers do: the prompt query at position i reads keys i-W+1 .. i, a decode query over n tokens reads n-W .. n-1.
+"""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Causal attention of a prompt chunk's queries to the prompt so far.
 
     q: [T, Hq, D], the queries of positions S-T .. S-1; k, v: [S, Hkv, D], positions 0 .. S-1. Query head h reads KV
@@ -14,9 +19,12 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """
     T, S = q.shape[0], k.shape[0]
     mask, causal = None, True
-    if S != T:      # a later chunk: the causal diagonal sits S - T positions to the right
-        pos = torch.arange(S, device=q.device)
-        mask, causal = pos.view(1, -1) <= pos[S - T:].view(-1, 1), False
+    if S != T or (window is not None and window < S):   # a later chunk (the diagonal sits S - T to the right) or a
+        pos = torch.arange(S, device=q.device)             # window that hides early keys: an explicit mask
+        rows = pos[S - T:].view(-1, 1)
+        mask, causal = pos.view(1, -1) <= rows, False
+        if window is not None:
+            mask &= pos.view(1, -1) > rows - window
     group = q.shape[1] // k.shape[1]
     if mask is not None and q.is_cuda and group > 1:
         # CUDA's masked SDPA kernels take no GQA broadcast (it would fall back to the math kernel)
@@ -28,7 +36,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                           num_tokens: torch.Tensor, scale: float) -> torch.Tensor:
+                           num_tokens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """One decode query per sequence attending to the pages listed for each of its KV heads.
 
     q: [B, Hq, D]; k_pool, v_pool: [num_blocks, P, D]; block_table: [B, Hkv, M] int32 device block ids, the tokens
@@ -37,6 +45,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     Query head h reads KV head h // (Hq // Hkv) (GQA stays grouped: K/V are never expanded in storage).
     Returns [B, Hq, D] in q's dtype; logits and softmax in fp32.
     """
+    skip = None if window is None else (num_tokens.long() - window).clamp(min=0)
+    return _listed_attention(q, k_pool, v_pool, block_table, num_tokens, scale, skip)
+
+
+def _listed_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                      num_tokens: torch.Tensor, scale: float, skip: torch.Tensor | None) -> torch.Tensor:
+    """paged_decode_attention's body; `skip` [B, Hkv] (or None) masks that many leading listed tokens per row."""
     B, Hq, D = q.shape
     _, Hkv, M = block_table.shape
     P = k_pool.shape[1]
@@ -46,7 +61,10 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     v = v_pool.index_select(0, ids).view(B, Hkv, M * P, D)
     qg = q.view(B, Hkv, G, D).to(k.dtype)
     logits = torch.matmul(qg, k.transpose(-1, -2)).float() * scale      # [B, Hkv, G, M*P]
-    invalid = torch.arange(M * P, device=q.device).view(1, 1, 1, -1) >= num_tokens.view(B, Hkv, 1, 1)
+    slot = torch.arange(M * P, device=q.device).view(1, 1, 1, -1)
+    invalid = slot >= num_tokens.view(B, Hkv, 1, 1)
+    if skip is not None:
+        invalid |= slot < skip.view(B, Hkv, 1, 1)
     logits.masked_fill_(invalid, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.matmul(probs.to(v.dtype), v)                            # [B, Hkv, G, D]
@@ -80,8 +98,19 @@ def gather_selected(block_table: torch.Tensor, num_tokens: torch.Tensor, selecte
 
 
 def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float) -> torch.Tensor:
+                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float,
+                            window: int | None = None) -> torch.Tensor:
     """Decode attention over only the selected logical pages [B, Hkv, K] of each KV head (padding < 0, any order):
-    gather_selected then paged_decode_attention, so unselected pages are never read."""
-    table, counts = gather_selected(block_table, num_tokens, selected_pages, k_pool.shape[1])
-    return paged_decode_attention(q, k_pool, v_pool, table, counts, scale)
+    gather_selected then paged_decode_attention, so unselected pages are never read. With a window, pages wholly
+    before it are dropped and the tokens before it on the page it starts in are masked (at least one selected page
+    must reach into the window)."""
+    P = k_pool.shape[1]
+    skip = None
+    if window is not None:
+        first = (num_tokens.long() - window).clamp(min=0)                       # [B, Hkv] first visible token
+        sel = selected_pages.long()
+        selected_pages = torch.where((sel >= 0) & ((sel + 1) * P <= first.unsqueeze(-1)), -1, sel)
+        lowest = torch.where(selected_pages >= 0, selected_pages, torch.iinfo(torch.int64).max).min(-1).values
+        skip = torch.where(lowest == first // P, first % P, 0)                  # listed first after the sort
+    table, counts = gather_selected(block_table, num_tokens, selected_pages, P)
+    return _listed_attention(q, k_pool, v_pool, table, counts, scale, skip)

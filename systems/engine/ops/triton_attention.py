@@ -32,7 +32,7 @@ _TOKENS_PER_ITER = 64       # keys each loop step loads: several pages at once k
 def _split_kernel(q, k_pool, v_pool, table, ntok, sel, out, part_acc, part_ml,
                   s_qb, s_qh, s_qd, s_kb, s_kp, s_kd, s_vb, s_vp, s_vd, s_tb, s_th, s_tm, s_nb, s_nh,
                   s_sb, s_sh, s_sk, s_ob, s_oh, s_od, s_ab, s_ah, s_as, s_mb, s_mh, s_ms,
-                  n_list, pages_per_split, scale_log2,
+                  n_list, pages_per_split, scale_log2, window,
                   G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, P: tl.constexpr,
                   PAGES_PER_ITER: tl.constexpr, SPARSE: tl.constexpr, ONE_SPLIT: tl.constexpr,
                   DOT_F32: tl.constexpr):
@@ -40,6 +40,7 @@ def _split_kernel(q, k_pool, v_pool, table, ntok, sel, out, part_acc, part_ml,
     h = tl.program_id(1)
     split = tl.program_id(2)
     n_tok = tl.load(ntok + b * s_nb + h * s_nh)
+    first_tok = tl.where(window > 0, tl.maximum(n_tok - window, 0), 0)     # sliding window: earlier keys masked
     if SPARSE:
         list_len = n_list
     else:
@@ -73,7 +74,7 @@ def _split_kernel(q, k_pool, v_pool, table, ntok, sel, out, part_acc, part_ml,
         else:
             page = idx
         blk = tl.load(table + b * s_tb + h * s_th + page * s_tm, mask=listed, other=0).to(tl.int64)
-        valid = listed & (page * P + in_page < n_tok)
+        valid = listed & (page * P + in_page < n_tok) & (page * P + in_page >= first_tok)
         kv_mask = valid[:, None] & d_ok[None, :]
         keys = tl.load(k_pool + blk[:, None] * s_kb + in_page[:, None] * s_kp + d[None, :] * s_kd,
                        mask=kv_mask, other=0.0)
@@ -142,7 +143,7 @@ def _pages_per_split(n_list: int, programs: int, pages_per_iter: int, device: in
     return triton.cdiv(steps, splits) * pages_per_iter
 
 
-def _decode(q, k_pool, v_pool, table, num_tokens, selected, scale, pages_per_split=None):
+def _decode(q, k_pool, v_pool, table, num_tokens, selected, scale, window=None, pages_per_split=None):
     """Both entry points; `selected` None = dense over the table. pages_per_split (tests) overrides the heuristic."""
     B, Hq, D = q.shape
     _, Hkv, _ = table.shape
@@ -169,7 +170,7 @@ def _decode(q, k_pool, v_pool, table, num_tokens, selected, scale, pages_per_spl
     _split_kernel[(B, Hkv, num_splits)](
         q, k_pool, v_pool, table, num_tokens, selected if sparse else table, out, part_acc, part_ml,
         *q.stride(), *k_pool.stride(), *v_pool.stride(), *table.stride(), *num_tokens.stride(), *sel_strides,
-        *out.stride(), *acc_strides, *ml_strides, n_list, pages_per_split, scale * math.log2(math.e),
+        *out.stride(), *acc_strides, *ml_strides, n_list, pages_per_split, scale * math.log2(math.e), window or 0,
         G=Hq // Hkv, G_PAD=pow2(Hq // Hkv, 16), D=D, D_PAD=pow2(D, 16), P=P, PAGES_PER_ITER=pages_per_iter,
         SPARSE=sparse, ONE_SPLIT=num_splits == 1, DOT_F32=_dot_in_fp32(k_pool.dtype))
     if num_splits > 1:
@@ -179,17 +180,18 @@ def _decode(q, k_pool, v_pool, table, num_tokens, selected, scale, pages_per_spl
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                           num_tokens: torch.Tensor, scale: float) -> torch.Tensor:
+                           num_tokens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """One decode query per sequence over the pages listed for each KV head (see torch_attention).
 
     q: [B, Hq, D]; pools [num_blocks, P, D]; block_table [B, Hkv, M] int; num_tokens [B, Hkv] int (>= 1).
-    Returns [B, Hq, D] in q's dtype; logits, softmax and accumulation in fp32.
+    Returns [B, Hq, D] in q's dtype; logits, softmax and accumulation in fp32. `window`: see torch_attention.
     """
-    return _decode(q, k_pool, v_pool, block_table, num_tokens, None, scale)
+    return _decode(q, k_pool, v_pool, block_table, num_tokens, None, scale, window)
 
 
 def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
-                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float) -> torch.Tensor:
+                            num_tokens: torch.Tensor, selected_pages: torch.Tensor, scale: float,
+                            window: int | None = None) -> torch.Tensor:
     """Decode attention over only the selected logical pages of each KV head, reading no other page.
 
     block_table [B, Hkv, M] (logical page -> device block, every selected page resident); num_tokens [B, Hkv] the
@@ -197,4 +199,4 @@ def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     padding, no duplicates, >= 1 real page per row, any order. Equals
     paged_decode_attention(q, k_pool, v_pool, *gather_selected(block_table, num_tokens, selected_pages, P), scale).
     """
-    return _decode(q, k_pool, v_pool, block_table, num_tokens, selected_pages, scale)
+    return _decode(q, k_pool, v_pool, block_table, num_tokens, selected_pages, scale, window)
