@@ -33,6 +33,7 @@ def test_skinny_rows_do_not_depend_on_the_batch_or_threads(dtype):
     b = torch.randn(203, generator=g).to(dtype)
     x = torch.randn(37, 12 * lanes, generator=g).to(dtype)
     op = torch.ops.kvharness_cpu.skinny_linear
+    assert op(x[:0], w, b).shape == (0, 203)
     full = op(x, w, b)
     alone = torch.cat([op(x[i:i + 1], w, b) for i in range(37)])
     assert torch.equal(full, alone)

@@ -145,6 +145,7 @@ void gemm_many_rows(const float* x, int64_t M, int64_t K, const TW* w, const TW*
 
 template <typename TW, typename TO>
 void gemm_rows_impl(const float* x, int64_t M, int64_t K, const TW* w, const TW* bias, int64_t N, TO* y) {
+  if (M <= 0 || N <= 0) return;
   const int64_t chunks = (N + kGemmChunk - 1) / kGemmChunk;
   parallel_tasks(chunks, [&](auto next) {
     std::vector<float> scratch(M > 4 ? cols_for_rows<4>() * K : 0);
