@@ -108,7 +108,8 @@ def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
     for b in (None, bias):
         linear = Linear(weight, b)
         if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            assert linear.packed is not None and linear.weight is None and linear.wide is None
+            assert linear.packed is not None and linear.wide is None
+            assert linear.weight is weight          # kept for the fused decode step
         else:
             assert linear.packed is None and linear.weight is not None
             linear.wide = None          # the widened fp32 path has its own test below

@@ -27,6 +27,7 @@ class EngineConfig:
     threads: Optional[int] = None        # torch CPU threads; null = torch's setting (one per core by default)
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
     chunked_prefill: bool = True         # decodes share each step with prompt chunks (off in batch-invariant mode)
+    fused_decode: bool = True            # CPU decode steps as fused C++ layers (false: one torch op at a time)
 
     @classmethod
     def coerce(cls, cfg: Any) -> EngineConfig:
@@ -64,7 +65,7 @@ class EngineConfig:
         if self.chunked_prefill and self.max_num_batched_tokens <= self.max_num_seqs:
             raise ValueError(f"system.engine.max_num_batched_tokens={self.max_num_batched_tokens} leaves no room for "
                              f"prompt chunks beside {self.max_num_seqs} decodes; raise it above max_num_seqs")
-        for key in ("batch_invariant", "chunked_prefill"):
+        for key in ("batch_invariant", "chunked_prefill", "fused_decode"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"system.engine.{key} must be true or false, got {getattr(self, key)!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):

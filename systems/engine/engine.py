@@ -56,7 +56,8 @@ class Engine:
         # depend on its neighbours), so it prefills whole prompts
         self.scheduler = Scheduler(self.kv, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    chunked_prefill=cfg.chunked_prefill and not cfg.batch_invariant)
-        self.runner = ModelRunner(self.model, self.kv, policy, self.ops, batch_invariant=cfg.batch_invariant)
+        self.runner = ModelRunner(self.model, self.kv, policy, self.ops, batch_invariant=cfg.batch_invariant,
+                                  fused=cfg.fused_decode)
         eos = set(spec.eos_token_ids)
         self.is_eos = is_eos or (lambda t: t in eos)
         self.decode_text: Callable[[list[int]], str] = lambda ids: ""

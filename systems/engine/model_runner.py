@@ -5,6 +5,7 @@ from collections.abc import Callable
 
 import torch
 
+from systems.engine import fused_decode
 from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
@@ -14,8 +15,9 @@ from systems.policies.base import DecodeStep, Policy, SeqInfo
 
 class ModelRunner:
     def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops,
-                 batch_invariant: bool = False):
-        """`model` may be None for a runner that only runs decode_layer (decode_microbench)."""
+                 batch_invariant: bool = False, fused: bool = True):
+        """`model` may be None for a runner that only runs decode_layer (decode_microbench). `fused`: pure decode
+        steps run as fused C++ layers where the model and machine allow it (see fused_decode.unsupported)."""
         self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops
         self.device = model.device if model is not None else kv.device
         # per layer: its sliding window (None: full attention), handed to every attention op
@@ -26,6 +28,10 @@ class ModelRunner:
         self.decode_tile = DECODE_TILE if batch_invariant else None
         # policies that keep Policy's no-op after_prefill_layer need no prompt queries kept across chunks
         self._prompt_hook = type(policy).after_prefill_layer is not Policy.after_prefill_layer
+        self.fused_unsupported = "turned off" if not fused else "no model" if model is None else \
+            fused_decode.unsupported(model, kv)
+        self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
+            self.fused_unsupported is None else None
 
     def _model(self) -> LlamaModel:
         if self.model is None:
@@ -41,6 +47,8 @@ class ModelRunner:
     def run_step(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """One forward over decode tokens and prompt chunks (sequence, start, end) together; returns logits [R, V]
         for the rows that yield a token: every decode, then every chunk that completes its prompt."""
+        if not chunks:
+            return self.decode(decodes)
         dev = self.device
         ids = [s.token_ids[-1] for s in decodes] + [t for s, a, b in chunks for t in s.token_ids[a:b]]
         positions = torch.cat([torch.tensor([len(s.token_ids) - 1 for s in decodes], dtype=torch.long)]
@@ -95,11 +103,15 @@ class ModelRunner:
         positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         infos = [s.info() for s in seqs]
+        if self.fused is not None:
+            logits = self.fused.logits(ids, positions, slots, infos)
+            self.last_selected = self.fused.last_selected
+            return logits
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.decode_layer(layer, q, k, v, slots, infos)
 
-        hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile)
+        hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile, decode=True)
         return self._model().logits(hidden, tile=self.decode_tile)
 
     def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -1,5 +1,6 @@
 """The decoder's weight matrices as callables: fixed-shape tiles on request, oneDNN-prepacked bf16 weights on CPU,
-and bf16 GEMMs computed as fp32 GEMMs of the same values on CPUs whose oneDNN has no bf16 kernels."""
+bf16 GEMMs computed as fp32 GEMMs of the same values on CPUs whose oneDNN has no bf16 kernels, and the skinny
+row-by-row product (ops/cpu_gemm.cpp) for decode rows."""
 from __future__ import annotations
 
 import torch
@@ -48,15 +49,34 @@ class Linear:
         """`prepack=False` keeps F.linear, which has gradients."""
         self.bias = bias
         self.packed = prepacked(weight, bias) if prepack else None
-        self.weight = weight if self.packed is None else None      # the packed copy replaces the plain one
+        # the plain matrix stays beside a packed copy: the fused decode step streams it (ops/cpu_gemm.cpp)
+        self.weight = weight
         # an fp32 copy beside the bf16 weight (3x the memory) where bf16 is emulated, for prompt-sized inputs
         self.wide = (weight.float(), None if bias is None else bias.float()) if prepack and emulates_bf16(weight) \
             else None
 
+    def skinny(self) -> bool:
+        """Whether `rows` runs the skinny CPU product here (else it falls back to the GEMM library)."""
+        if not hasattr(self, "_skinny"):
+            self._skinny = False
+            if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float32) \
+                    and self.weight.is_contiguous():
+                from systems.engine.ops import cpu_kernels
+
+                self._skinny = cpu_kernels.has_fused_decode() and self.weight.shape[1] % cpu_kernels.gemm_lanes() == 0
+        return self._skinny
+
+    def rows(self, x: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+        """Decode rows: the skinny product, where every row is one dot product per output that depends on that row
+        alone (batch-invariant by construction, weights streamed once), the same arithmetic as the fused decode
+        step; where it cannot run, the GEMM library with `tile`."""
+        if self.skinny():
+            return torch.ops.kvharness_cpu.skinny_linear(x, self.weight, self.bias)
+        return self(x, tile)
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        assert self.weight is not None
         if self.wide is not None and x.shape[0] >= WIDEN_MIN_ROWS:
             return F.linear(x.float(), *self.wide).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

@@ -177,9 +177,10 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                tile: int | None = None) -> torch.Tensor:
+                tile: int | None = None, decode: bool = False) -> torch.Tensor:
         """input_ids, positions: [T]; returns the final-normed hidden states [T, hidden]. `tile`: rows per matmul
-        call (see Linear); None = one call over all T rows."""
+        call (see Linear); None = one call over all T rows. `decode`: the rows are decode tokens, multiplied by
+        Linear.rows (the fused decode step's arithmetic)."""
         if self.fused is not None and torch.is_grad_enabled():
             raise RuntimeError("the fused CPU kernels have no gradients: run under torch.inference_mode(), or build "
                                "the model with LlamaModel(..., autograd=True)")
@@ -192,25 +193,29 @@ class LlamaModel:
             h = h * self.embed_scale
         delta = None
         for i, lw in enumerate(self.layers):
+            qkv_mm, o_mm, gate_up_mm, down_mm = ((lw.qkv.rows, lw.o.rows, lw.gate_up.rows, lw.down.rows) if decode
+                                                 else (lw.qkv, lw.o, lw.gate_up, lw.down))
             h, x = self.add_norm(h, delta, lw.ln1)
-            qkv = lw.qkv(x, tile)
+            qkv = qkv_mm(x, tile)
             qk = qkv[:, :nq + nkv].view(T, s.num_q_heads + s.num_kv_heads, d)
             if lw.qk_norm is not None:
                 qk = self.rms_norm(qk, lw.qk_norm)
             qk = self.rotate(qk, *tables[self.layer_rope[i]])
             q, k = qk[:, :s.num_q_heads], qk[:, s.num_q_heads:]
             v = qkv[:, nq + nkv:].reshape(T, s.num_kv_heads, d)
-            delta = lw.o(attend(i, q, k, v).reshape(T, nq), tile)
+            delta = o_mm(attend(i, q, k, v).reshape(T, nq), tile)
             if lw.attn_out_norm is not None:
                 delta = self.rms_norm(delta, lw.attn_out_norm)
             h, x = self.add_norm(h, delta, lw.ln2)
-            delta = lw.down(self.gated(lw.gate_up(x, tile)), tile)
+            delta = down_mm(self.gated(gate_up_mm(x, tile)), tile)
             if lw.mlp_out_norm is not None:
                 delta = self.rms_norm(delta, lw.mlp_out_norm)
         return self.add_norm(h, delta, self.norm)[1]
 
     def logits(self, hidden: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-        out = self.lm_head(hidden, tile)
+        """fp32 logits of a few final hidden rows (the last prompt rows, decode rows), through Linear.rows: the
+        same arithmetic whichever step produced the row."""
+        out = self.lm_head.rows(hidden, tile)
         cap = self.spec.final_logit_softcapping
         if cap is not None:
             out = torch.tanh(out / cap) * cap

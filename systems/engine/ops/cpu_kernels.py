@@ -1,5 +1,5 @@
-"""The CPU path's fused kernels (cpu_attention.cpp, cpu_prefill.cpp, cpu_scoring.cpp, cpu_model.cpp), built once per
-checkout on first use."""
+"""The CPU path's fused kernels (cpu_attention.cpp, cpu_prefill.cpp, cpu_scoring.cpp, cpu_model.cpp, cpu_gemm.cpp,
+cpu_decoder.cpp), built once per checkout on first use."""
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +14,8 @@ import torch
 
 from systems.engine.ops import torch_attention, torch_scoring
 
-_SOURCES = [Path(__file__).with_name(name)
-            for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp", "cpu_model.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp",
+                                                       "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
@@ -77,8 +77,9 @@ def _build() -> bool:
         (folder / "lock").unlink(missing_ok=True)       # torch's baton: stale, since we hold the flock
         # -march=native is safe: the build folder lives on the machine that runs it.
         # -fopenmp makes at::parallel_for use torch's own OpenMP pool (the same libgomp.so.1 is already loaded).
-        # torch keys its build cache on the sources and flags only, so the shared header's hash goes into the flags
-        header = hashlib.sha1(_SOURCES[0].with_name("cpu_common.h").read_bytes()).hexdigest()[:12]
+        # torch keys its build cache on the sources and flags only, so the shared headers' hash goes into the flags
+        headers = sorted(_SOURCES[0].parent.glob("cpu_*.h"))
+        header = hashlib.sha1(b"".join(h.read_bytes() for h in headers)).hexdigest()[:12]
         load(name="kvharness_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
              extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVH_COMMON_H={header}"],
              extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
@@ -133,6 +134,16 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def has_model_steps() -> bool:
     """Whether the build registered the fused decoder steps (add_rms_norm, rope_, silu_mul)."""
     return available() and hasattr(torch.ops.kvharness_cpu, "silu_mul")
+
+
+def has_fused_decode() -> bool:
+    """Whether the build registered the fused decode step (cpu_decoder.cpp, cpu_gemm.cpp)."""
+    return available() and hasattr(torch.ops.kvharness_cpu, "decode_layers")
+
+
+def gemm_lanes() -> int:
+    """The fp32 lanes the skinny GEMM accumulates in (16 on AVX-512, 8 otherwise): its K must be a multiple."""
+    return int(torch.ops.kvharness_cpu.gemm_lanes())
 
 
 def _bf16_prompt_kernel() -> bool:

@@ -1,0 +1,97 @@
+"""The CPU decode step as fused C++ layers (ops/cpu_decoder.cpp): one call per step, or two per layer around a policy.
+
+A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call. A policy
+with decode-time hooks gets, per layer, `decode_layer_in` (norm, QKV, RoPE, KV append: returns q), its
+`select_pages`, `decode_layer_attend` (attention over exactly the pages it chose), `decode_layer_mlp` (output
+projection and MLP) and its `after_append` — the hook order of the per-op path (`after_append` runs after the MLP
+instead of before it, which nothing can observe: the MLP does not touch the KV cache). Every product is the skinny
+GEMM of ops/cpu_gemm.cpp, whose rows never depend on the batch, so batch-invariant mode needs no padded tiles here.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from systems.engine.kv_cache import TieredKVCache
+from systems.engine.models.llama import LlamaModel
+from systems.engine.ops import cpu_kernels
+from systems.policies.base import DecodeStep, Policy, SeqInfo
+
+
+def unsupported(model: LlamaModel, kv: TieredKVCache) -> str | None:
+    """Why the fused step cannot run this model and cache here, or None when it can."""
+    s = model.spec
+    if model.device.type != "cpu":
+        return "not a CPU device"
+    if model.dtype not in (torch.bfloat16, torch.float32) or kv.dtype != model.dtype:
+        return f"dtype {model.dtype} (bf16 or fp32 only)"
+    fam = s.family
+    if (fam.qk_norm or fam.unit_offset_norm or fam.sandwich_norms or fam.scaled_embedding or s.activation != "silu"
+            or s.o_bias or s.final_logit_softcapping is not None or len(model.rope_tables) != 1):
+        return f"model family {s.model_type!r} (the fused step runs the plain Llama decoder layer)"
+    if getattr(model, "fused", None) is None:
+        return "the fused elementwise kernels are not built"
+    if not cpu_kernels.has_fused_decode():
+        return "the CPU kernels are not built"
+    lanes = cpu_kernels.gemm_lanes()
+    widths = (s.hidden_size, s.num_q_heads * s.head_dim, s.intermediate_size)
+    if any(w % lanes for w in widths):
+        return f"matrix widths {widths} are not multiples of {lanes}"
+    if (s.head_dim not in cpu_kernels.HEAD_DIMS or kv.page_size > cpu_kernels.MAX_PAGE
+            or s.num_q_heads // s.num_kv_heads > cpu_kernels.MAX_GROUP):
+        return "head_dim, page size or query group outside the compiled kernels"
+    return None
+
+
+class FusedDecode:
+    """Decode steps of one engine's model over its paged cache, under its policy."""
+
+    def __init__(self, model: LlamaModel, kv: TieredKVCache, policy: Policy):
+        self.model, self.kv, self.policy = model, kv, policy
+        empty = torch.empty(0, dtype=model.dtype)
+        self.layers = [(lw.ln1, lw.qkv.weight, lw.qkv.bias if lw.qkv.bias is not None else empty, lw.o.weight,
+                        lw.ln2, lw.gate_up.weight, lw.down.weight) for lw in model.layers]
+        self.flat_weights = [t for layer in self.layers for t in layer]
+        # policies that keep Policy's no-op decode hooks run the whole stack in one call
+        self.per_layer = (type(policy).select_pages is not Policy.select_pages
+                          or type(policy).after_append is not Policy.after_append)
+        self.windows = [w or 0 for w in model.spec.layer_windows]
+        self.rope_table = next(iter(model.rope_tables))
+        self.last_selected: torch.Tensor | None = None
+
+    def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
+               clock: Callable[[str], None] | None = None) -> torch.Tensor:
+        """One token per sequence: appends its K/V in every layer and returns fp32 logits [B, V] (computed in the
+        model dtype, as the per-op path's). `clock(phase)` after each phase of each layer (append, select,
+        attention, rest) forces the per-layer calls."""
+        ops, kv, model, spec = torch.ops.kvharness_cpu, self.kv, self.model, self.model.spec
+        cos, sin = model.rope(positions, self.rope_table)
+        h = F.embedding(ids, model.embed).contiguous()
+        eps, nq = spec.rms_norm_eps, spec.num_q_heads
+        store = (kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax)
+        slots = slots.to(torch.int64).contiguous()
+        delta: torch.Tensor | None = None
+        if not self.per_layer and clock is None:
+            delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
+                                      eps, kv.scale, self.windows)
+        else:
+            for layer, (ln1, qkv, bias, o, ln2, gate_up, down) in enumerate(self.layers):
+                q = ops.decode_layer_in(h, delta, ln1, qkv, bias if bias.numel() else None, cos, sin, *store, slots,
+                                        layer, nq, eps)
+                if clock:
+                    clock("append")
+                step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
+                selected = self.policy.select_pages(kv, step)
+                self.last_selected = selected
+                if clock:
+                    clock("select")
+                attn = ops.decode_layer_attend(q, selected, *store, slots, layer, kv.scale, self.windows[layer])
+                if clock:
+                    clock("attention")
+                delta = ops.decode_layer_mlp(h, attn, o, ln2, gate_up, down, eps)
+                self.policy.after_append(kv, step)
+                if clock:
+                    clock("rest")
+        return ops.decode_logits(h, delta, model.norm, model.lm_head.weight, eps).float()

@@ -1,0 +1,303 @@
+// Paged decode attention over all or only the selected pages of each (sequence, KV head): the row kernels shared by
+// the decode_attention op (cpu_attention.cpp) and the fused decoder step (cpu_decoder.cpp).
+//
+// Why a kernel: on a CPU the torch path either gathers the pages (an extra copy of every K/V byte) or runs one small
+// matmul per (sequence, page run) with ~100 us of framework overhead each. Here every (sequence, KV head) is one
+// task; it reads its pages in place through the block table, converts bf16 to fp32 in registers, and keeps an online
+// softmax (running max, sum, fp32 accumulator) per query head, so K and V are each read exactly once.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_common.h"
+
+// Internal linkage (an unnamed namespace): each file that includes this compiles its own copy with its own
+// floating-point options, so no copy is ever traded for another's at link time.
+namespace kvh {
+namespace {
+
+// e^x for x <= 0 (scores minus their running max)
+inline float exp_nonpos(float x) { return exp_clamped(x); }
+
+// The tokens of logical page `page` a query reads: from the first one in its window (tokens before `first` are
+// skipped) to the last one held. *token: index of the first read token in the pool; *valid: how many (<= 0: none).
+inline void page_span(int64_t block, int64_t page, int64_t n, int64_t first, int P, int64_t* token, int* valid) {
+  const int64_t lo = std::max<int64_t>(0, first - page * P);
+  *token = block * P + lo;
+  *valid = static_cast<int>(std::min<int64_t>(P, n - page * P) - lo);
+}
+
+// Every page of a head, in table order: page j holds min(P, n - j*P) tokens.
+struct AllPages {
+  const int32_t* table;
+  int64_t n, first;
+  int P;
+  int64_t count() const { return (n + P - 1) / P; }
+  void at(int64_t j, int64_t* token, int* valid) const { page_span(table[j], j, n, first, P, token, valid); }
+};
+
+// Only the selected logical pages (any order, entries < 0 are padding): softmax does not care about order, so
+// the list is used as it comes; the head's partial last page holds n - last*P tokens.
+struct SelectedPages {
+  const int64_t* selected;
+  int64_t K;
+  const int32_t* table;
+  int64_t n, first;
+  int P;
+  int64_t count() const { return K; }
+  void at(int64_t j, int64_t* token, int* valid) const {
+    const int64_t page = selected[j];
+    if (page < 0) {
+      *valid = 0;
+      return;
+    }
+    page_span(table[page], page, n, first, P, token, valid);
+  }
+};
+
+// One (sequence, KV head): G query rows q [G, D] (fp32, pre-scaled) over n tokens in the listed blocks.
+template <typename T, int D, typename Pages>
+void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const Pages& list, int P,
+                 float* out /* [G, D] */) {
+  float m[kMaxGroup], l[kMaxGroup];
+  alignas(64) float acc[kMaxGroup][D];
+  alignas(64) float s[kMaxGroup][kMaxPage];
+  alignas(64) float row[D];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
+  }
+  const int64_t pages = list.count();
+  for (int64_t j = 0; j < pages; ++j) {
+    int64_t token = 0;
+    int valid = 0;
+    list.at(j, &token, &valid);
+    if (valid <= 0) continue;
+    const int64_t base = token * D;
+    const T* kp = k_pool + base;
+    const T* vp = v_pool + base;
+    for (int t = 0; t < valid; ++t) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) row[d] = to_float(kp[t * D + d]);
+      for (int g = 0; g < G; ++g) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int d = 0; d < D; ++d) dot += q[g * D + d] * row[d];
+        s[g][t] = dot;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float page_max = m[g];
+      for (int t = 0; t < valid; ++t) page_max = s[g][t] > page_max ? s[g][t] : page_max;
+      const float corr = exp_nonpos(m[g] - page_max);  // m = -inf on the first page: exp clamps to ~0
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int t = 0; t < valid; ++t) {
+        const float e = exp_nonpos(s[g][t] - page_max);
+        s[g][t] = e;
+        sum += e;
+      }
+      l[g] = l[g] * corr + sum;
+      m[g] = page_max;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[g][d] *= corr;
+    }
+    for (int t = 0; t < valid; ++t) {
+#pragma omp simd
+      for (int d = 0; d < D; ++d) row[d] = to_float(vp[t * D + d]);
+      for (int g = 0; g < G; ++g) {
+        const float p = s[g][t];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[g][d] += p * row[d];
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
+  }
+}
+
+#ifdef KVH_HAVE_AVX512_BF16
+
+// bf16 pools on CPUs with AVX512-BF16, 16 tokens at a time: q.k by vdpbf16ps straight from the stored page (the
+// 16 dot products reduced together by sum16), softmax update on one register, p.v by fp32 FMAs.
+template <int D, typename Pages>
+void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_pool, const uint16_t* v_pool,
+                      const Pages& list, int P, float* out) {
+  constexpr int NB = D / 32;  // 32 bf16 per register
+  constexpr int NV = D / 16;  // 16 fp32 per register
+  __m512bh qv[kMaxGroup][NB];
+  __m512 acc[kMaxGroup][NV];
+  float m[kMaxGroup], l[kMaxGroup];
+  alignas(64) float p16[kMaxGroup][16];
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < NB; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+    for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_setzero_ps();
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  const int64_t pages = list.count();
+  int64_t token = 0, next_token = 0;
+  int valid = 0, next_valid = 0;
+  if (pages) list.at(0, &next_token, &next_valid);
+  for (int64_t j = 0; j < pages; ++j) {
+    token = next_token;
+    valid = next_valid;
+    if (j + 1 < pages) {  // prefetch the next page: pages are scattered blocks, beyond the hardware prefetcher
+      list.at(j + 1, &next_token, &next_valid);
+      if (next_valid > 0) {
+        const int64_t next = next_token * D;
+        for (int off = 0; off < next_valid * D; off += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_pool + next + off), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_pool + next + off), _MM_HINT_T0);
+        }
+      }
+    }
+    if (valid <= 0) continue;
+    const int64_t base = token * D;
+    for (int c0 = 0; c0 < valid; c0 += 16) {
+      const int nc = std::min(16, valid - c0);
+      const uint16_t* kp = k_pool + base + static_cast<int64_t>(c0) * D;
+      const uint16_t* vp = v_pool + base + static_cast<int64_t>(c0) * D;
+      const __mmask16 live = static_cast<__mmask16>((1u << nc) - 1u);
+      __m512 dots[kMaxGroup][16];
+      for (int t = 0; t < 16; ++t) {
+        if (t < nc) {
+          __m512bh kv[NB];
+          for (int c = 0; c < NB; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + t * D + c * 32);
+          for (int g = 0; g < G; ++g) {
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+            for (int c = 1; c < NB; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kv[c]);
+            dots[g][t] = a;
+          }
+        } else {
+          for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 sc = _mm512_mask_blend_ps(live, neg_inf, _mm512_mul_ps(sum16(dots[g]), scale_v));
+        const float chunk_max = _mm512_reduce_max_ps(sc);
+        const float new_max = chunk_max > m[g] ? chunk_max : m[g];
+        const float corr = exp_nonpos(m[g] - new_max);  // m = -inf on the first chunk: clamps to ~0
+        const __m512 pv = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(new_max))));
+        l[g] = l[g] * corr + _mm512_reduce_add_ps(pv);
+        m[g] = new_max;
+        _mm512_store_ps(p16[g], pv);
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], cv);
+      }
+      for (int t = 0; t < nc; ++t) {
+        __m512 vv[NV];
+        for (int c = 0; c < NV; ++c)
+          vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + t * D + c * 16)));
+        for (int g = 0; g < G; ++g) {
+          const __m512 pb = _mm512_set1_ps(p16[g][t]);
+          for (int c = 0; c < NV; ++c) acc[g][c] = _mm512_fmadd_ps(pb, vv[c], acc[g][c]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+#endif
+
+// The listed pages of row i of a batched call. Rows are (sequence, head) pairs: row i = b * heads + h. By default
+// row i reads table row i and counts[i]; with `slots`, the tables are the engine's whole [S, L, Hkv, M] block table
+// and [S, L, Hkv] counts, and row i reads entry slots[b] * seq_stride + layer_offset + h / kv_div (kv_div > 1: one
+// row per query head, each reading its KV head's table).
+struct Listing {
+  const int32_t* table;      // [rows, M], or the engine's table (see slots)
+  const int32_t* counts;     // [rows], or the engine's counts
+  const int64_t* selected;   // [rows, K] or null: all pages
+  int64_t M, K;
+  int P;
+  int64_t window = 0;         // sliding window (keys a query sees, itself included); 0: unbounded
+  const int64_t* slots = nullptr;
+  int64_t heads = 1, seq_stride = 0, layer_offset = 0, kv_div = 1;
+  int64_t first(int64_t n) const { return window > 0 ? std::max<int64_t>(0, n - window) : 0; }
+  int64_t entry(int64_t i) const {
+    return slots ? slots[i / heads] * seq_stride + layer_offset + (i % heads) / kv_div : i;
+  }
+  AllPages all(int64_t i) const {
+    const int64_t e = entry(i);
+    return AllPages{table + e * M, counts[e], first(counts[e]), P};
+  }
+  SelectedPages chosen(int64_t i) const {
+    const int64_t e = entry(i);
+    return SelectedPages{selected + i * K, K, table + e * M, counts[e], first(counts[e]), P};
+  }
+};
+
+template <typename T, int D>
+void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G, float* out) {
+  parallel_tasks(rows, [&](auto next) {
+    for (int64_t i; (i = next()) < rows;) {
+      if (ls.selected)
+        attend_head<T, D>(q + i * G * D, G, k, v, ls.chosen(i), ls.P, out + i * G * D);
+      else
+        attend_head<T, D>(q + i * G * D, G, k, v, ls.all(i), ls.P, out + i * G * D);
+    }
+  });
+}
+
+template <typename T>
+void dispatch_generic(int64_t D, const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G,
+                      float* out) {
+  switch (D) {
+    case 16: return run_generic<T, 16>(q, k, v, ls, rows, G, out);
+    case 32: return run_generic<T, 32>(q, k, v, ls, rows, G, out);
+    case 64: return run_generic<T, 64>(q, k, v, ls, rows, G, out);
+    case 96: return run_generic<T, 96>(q, k, v, ls, rows, G, out);
+    case 128: return run_generic<T, 128>(q, k, v, ls, rows, G, out);
+    case 256: return run_generic<T, 256>(q, k, v, ls, rows, G, out);
+    default: TORCH_CHECK(false, "decode attention: head_dim ", D, " not compiled (16, 32, 64, 96, 128, 256)");
+  }
+}
+
+// Attention of `rows` listed rows, G query rows each: q [rows, G, D] in the model dtype, out [rows, G, D] fp32.
+// bf16 pools on CPUs with AVX512-BF16 take the vdpbf16ps kernel (q stays bf16, scaled after the dot product), all
+// else the generic one (q widened and pre-scaled in fp32), as the op always has.
+template <typename T>
+void attend_rows(const T* q, int64_t rows, int G, int64_t D, float scale, const T* k_pool, const T* v_pool,
+                 const Listing& ls, float* out) {
+#ifdef KVH_HAVE_AVX512_BF16
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (D == 64 || D == 128) {
+      parallel_tasks(rows, [&](auto next) {
+        for (int64_t i; (i = next()) < rows;) {
+          const uint16_t* qi = q + i * G * D;
+          float* oi = out + i * G * D;
+          if (D == 64) {
+            if (ls.selected) attend_head_bf16<64>(qi, G, scale, k_pool, v_pool, ls.chosen(i), ls.P, oi);
+            else attend_head_bf16<64>(qi, G, scale, k_pool, v_pool, ls.all(i), ls.P, oi);
+          } else {
+            if (ls.selected) attend_head_bf16<128>(qi, G, scale, k_pool, v_pool, ls.chosen(i), ls.P, oi);
+            else attend_head_bf16<128>(qi, G, scale, k_pool, v_pool, ls.all(i), ls.P, oi);
+          }
+        }
+      });
+      return;
+    }
+  }
+#endif
+  std::vector<float> qs(static_cast<size_t>(rows * G * D));
+  for (size_t i = 0; i < qs.size(); ++i) qs[i] = to_float(q[i]) * scale;
+  dispatch_generic<T>(D, qs.data(), k_pool, v_pool, ls, rows, G, out);
+}
+
+}  // namespace
+}  // namespace kvh

@@ -1,0 +1,283 @@
+// A decode step of the decoder layers in one call: no Python, and no torch op, between the pieces of a layer.
+//
+// Why: a decode step of a small model is ~25 small ops per layer; dispatched one by one from Python they cost as much
+// as the arithmetic (a 1k-context step of SmolLM2 took 25-43 ms where its weights stream in 9). Here a layer is
+// residual add + RMSNorm, the stacked QKV product, RoPE, the KV append (pages, MinMax bounds, token counts),
+// attention over all or the selected pages, the output product, add + RMSNorm, the gate/up product, the SiLU gate
+// and the down product, each a kernel called straight from C++ on raw pointers. The elementwise kernels and the
+// attention are the same code as the per-op path (cpu_rows.h, cpu_attention.h), so they round where it rounds; the
+// products use the skinny GEMM (cpu_gemm.h), whose rows never depend on their batch.
+//
+// A policy that chooses pages or evicts at decode time still runs in Python between two halves of a layer:
+// decode_layer_in (up to the KV append, returning q) and decode_layer_out (attention over its pages and the rest);
+// decode_layers runs whole layers for a policy that reads every page.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cpu_attention.h"
+#include "cpu_gemm.h"
+
+// the elementwise kernels round each product and sum on their own, as torch's separate ops do
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#include "cpu_rows.h"
+#pragma GCC pop_options
+
+namespace {
+
+using namespace kvh;
+
+template <typename T>
+T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// The engine's paged KV storage for one call.
+struct Storage {
+  at::Tensor k_pool, v_pool, block_table, num_tokens, kmin, kmax;
+  const int64_t* slots;
+  int64_t L, Hkv, M, P, D;
+
+  Storage(const at::Tensor& k, const at::Tensor& v, const at::Tensor& table, const at::Tensor& counts,
+          const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& slot_ids)
+      : k_pool(k), v_pool(v), block_table(table), num_tokens(counts), kmin(lo), kmax(hi),
+        slots(slot_ids.data_ptr<int64_t>()), L(table.size(1)), Hkv(table.size(2)), M(table.size(3)),
+        P(k.size(1)), D(k.size(2)) {
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && table.is_contiguous() && counts.is_contiguous() &&
+                lo.is_contiguous() && hi.is_contiguous(), "fused decode: storage must be contiguous");
+    TORCH_CHECK(table.scalar_type() == at::kInt && counts.scalar_type() == at::kInt &&
+                slot_ids.scalar_type() == at::kLong && slot_ids.is_contiguous(),
+                "fused decode: int32 tables and counts, int64 slots");
+  }
+  int64_t head_row(int64_t b, int64_t layer, int64_t h) const { return (slots[b] * L + layer) * Hkv + h; }
+};
+
+// Append each sequence's new K/V (rows of `qkv`, after the Hq query heads) to its heads' last pages, keeping the
+// pages' MinMax bounds exact and counting the token, as TieredKVCache.append_decode does.
+template <typename T>
+void append_kv(const Storage& st, int64_t layer, const T* qkv, int64_t B, int64_t Hq) {
+  const int64_t D = st.D, width = (Hq + 2 * st.Hkv) * D;
+  T* kp = ptr<T>(st.k_pool);
+  T* vp = ptr<T>(st.v_pool);
+  T* lo = ptr<T>(st.kmin);
+  T* hi = ptr<T>(st.kmax);
+  int32_t* counts = st.num_tokens.data_ptr<int32_t>();
+  const int32_t* table = st.block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < st.Hkv; ++h) {
+      const int64_t row = st.head_row(b, layer, h);
+      const int64_t n = counts[row], page = n / st.P, off = n % st.P;
+      TORCH_CHECK(page < st.M, "fused decode: a head is full (max_model_len)");
+      const int64_t block = table[row * st.M + page];
+      TORCH_CHECK(block != 0, "fused decode: the next page of a head has no device block");
+      const T* k = qkv + b * width + (Hq + h) * D;
+      const T* v = qkv + b * width + (Hq + st.Hkv + h) * D;
+      std::memcpy(kp + (block * st.P + off) * D, k, D * sizeof(T));
+      std::memcpy(vp + (block * st.P + off) * D, v, D * sizeof(T));
+      T* mn = lo + (row * st.M + page) * D;
+      T* mx = hi + (row * st.M + page) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = to_float(k[d]);
+        if (off == 0 || x < to_float(mn[d])) mn[d] = k[d];
+        if (off == 0 || x > to_float(mx[d])) mx[d] = k[d];
+      }
+      counts[row] = static_cast<int32_t>(n + 1);
+    }
+  }
+}
+
+// y [B, N] = x [B, K] . w^T (+ bias) in the model dtype.
+template <typename T>
+void product(const T* x, int64_t B, const at::Tensor& w, const at::Tensor& bias, T* y, std::vector<float>& wide) {
+  const int64_t N = w.size(0), K = w.size(1);
+  wide.resize(static_cast<size_t>(B * K));
+  for (int64_t i = 0; i < B * K; ++i) wide[i] = to_float(x[i]);
+  gemm_rows(wide.data(), B, K, ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, N, y);
+}
+
+// h += delta; q, k, v = rope(norm(h) . Wqkv); K/V appended. Returns q [B, Hq, D].
+template <typename T>
+at::Tensor layer_in(at::Tensor& h, const T* delta, const at::Tensor& ln1, const at::Tensor& wqkv,
+                    const at::Tensor& bqkv, const at::Tensor& cos, const at::Tensor& sin, const Storage& st,
+                    int64_t layer, int64_t Hq, double eps, std::vector<float>& wide) {
+  const int64_t B = h.size(0), H = h.size(1), D = st.D, width = (Hq + 2 * st.Hkv) * D;
+  at::Tensor x = at::empty_like(h);
+  add_rms_norm_rows<T>(ptr<T>(h), delta, ptr<T>(ln1), ptr<T>(x), B, H, static_cast<float>(eps));
+  at::Tensor qkv = at::empty({B, width}, h.options());
+  product<T>(ptr<T>(x), B, wqkv, bqkv, ptr<T>(qkv), wide);
+  rope_rows<T>(ptr<T>(qkv), ptr<T>(cos), ptr<T>(sin), B, Hq + st.Hkv, D, width);
+  append_kv<T>(st, layer, ptr<T>(qkv), B, Hq);
+  return qkv.narrow(1, 0, Hq * D).contiguous().view({B, Hq, D});
+}
+
+// Attention of q [B, Hq, D] over each head's pages (all, or `selected` [B, Hkv or Hq, K]) -> [B, Hq * D], dtype T.
+template <typename T>
+at::Tensor attend(const at::Tensor& q, const at::Tensor& selected, const Storage& st, int64_t layer, double scale,
+                  int64_t window) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = st.D;
+  const int G = static_cast<int>(Hq / st.Hkv);
+  Listing ls{ptr<int32_t>(st.block_table), ptr<int32_t>(st.num_tokens), nullptr, st.M, 0, static_cast<int>(st.P)};
+  ls.slots = st.slots;
+  ls.seq_stride = st.L * st.Hkv;
+  ls.layer_offset = layer * st.Hkv;
+  ls.heads = st.Hkv;
+  ls.window = window;
+  int64_t rows = B * st.Hkv;
+  int group = G;
+  at::Tensor sel;
+  if (selected.defined()) {
+    sel = selected.to(at::kLong).contiguous();
+    TORCH_CHECK(sel.dim() == 3 && sel.size(0) == B && (sel.size(1) == st.Hkv || sel.size(1) == Hq),
+                "fused decode: selected pages [B, Hkv or Hq, K]");
+    ls.selected = sel.data_ptr<int64_t>();
+    ls.K = sel.size(2);
+    if (sel.size(1) == Hq && G > 1) {  // one page set per query head: each is a group of one over its KV head
+      ls.heads = Hq;
+      ls.kv_div = G;
+      rows = B * Hq;
+      group = 1;
+    }
+  }
+  at::Tensor out = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
+  attend_rows<T>(ptr<T>(q), rows, group, D, static_cast<float>(scale), ptr<T>(st.k_pool), ptr<T>(st.v_pool), ls,
+                 out.data_ptr<float>());
+  return out.to(q.scalar_type()).view({B, Hq * D});
+}
+
+// h += attn . Wo; returns the MLP's output (the next layer's delta): down(silu(gate) * up) of norm(h).
+template <typename T>
+at::Tensor layer_mlp(at::Tensor& h, const at::Tensor& attn, const at::Tensor& wo, const at::Tensor& ln2,
+                     const at::Tensor& wgu, const at::Tensor& wdown, double eps, std::vector<float>& wide) {
+  const int64_t B = h.size(0), H = h.size(1), I = wgu.size(0) / 2;
+  at::Tensor o = at::empty_like(h);
+  product<T>(ptr<T>(attn), B, wo, at::Tensor(), ptr<T>(o), wide);
+  at::Tensor x = at::empty_like(h);
+  add_rms_norm_rows<T>(ptr<T>(h), ptr<T>(o), ptr<T>(ln2), ptr<T>(x), B, H, static_cast<float>(eps));
+  at::Tensor gu = at::empty({B, 2 * I}, h.options());
+  product<T>(ptr<T>(x), B, wgu, at::Tensor(), ptr<T>(gu), wide);
+  at::Tensor gated = at::empty({B, I}, h.options());
+  silu_mul_rows<T>(ptr<T>(gu), ptr<T>(gated), B, I);
+  at::Tensor delta = at::empty_like(h);
+  product<T>(ptr<T>(gated), B, wdown, at::Tensor(), ptr<T>(delta), wide);
+  return delta;
+}
+
+template <typename F>
+void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) {
+    f(uint16_t{});
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "fused decode: bf16 or fp32 only");
+    f(float{});
+  }
+}
+
+at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
+
+void check_rows(const at::Tensor& h, const c10::optional<at::Tensor>& delta) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "fused decode: h [B, hidden] contiguous");
+  TORCH_CHECK(!delta.has_value() || (delta->sizes() == h.sizes() && delta->is_contiguous() &&
+                                     delta->scalar_type() == h.scalar_type()), "fused decode: delta like h");
+}
+
+at::Tensor decode_layer_in(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& ln1,
+                           const at::Tensor& wqkv, const c10::optional<at::Tensor>& bqkv, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                           const at::Tensor& block_table, const at::Tensor& num_tokens, const at::Tensor& kmin,
+                           const at::Tensor& kmax, const at::Tensor& slots, int64_t layer, int64_t num_q_heads,
+                           double eps) {
+  check_rows(h, delta);
+  Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
+  std::vector<float> wide;
+  at::Tensor q;
+  by_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    q = layer_in<T>(h, delta.has_value() ? ptr<T>(*delta) : nullptr, ln1, wqkv, opt(bqkv), cos, sin, st, layer,
+                    num_q_heads, eps, wide);
+  });
+  return q;
+}
+
+at::Tensor decode_layer_attend(const at::Tensor& q, const c10::optional<at::Tensor>& selected,
+                               const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
+                               const at::Tensor& num_tokens, const at::Tensor& kmin, const at::Tensor& kmax,
+                               const at::Tensor& slots, int64_t layer, double scale, int64_t window) {
+  Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(2) == st.D, "fused decode: q [B, Hq, D] contiguous");
+  at::Tensor out;
+  by_dtype(q, [&](auto tag) { out = attend<decltype(tag)>(q, opt(selected), st, layer, scale, window); });
+  return out;
+}
+
+at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tensor& wo, const at::Tensor& ln2,
+                            const at::Tensor& wgu, const at::Tensor& wdown, double eps) {
+  check_rows(h, c10::nullopt);
+  std::vector<float> wide;
+  at::Tensor delta;
+  by_dtype(h, [&](auto tag) { delta = layer_mlp<decltype(tag)>(h, attn.contiguous(), wo, ln2, wgu, wdown, eps,
+                                                                 wide); });
+  return delta;
+}
+
+// Layers [first, last) of a decode step for a policy that reads every page. weights: 7 per layer from `first`
+// (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down); windows: each layer's sliding window (0: none).
+// Returns the last layer's delta (h updated).
+at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at::TensorList weights,
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                         const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& num_tokens,
+                         const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots, int64_t first,
+                         int64_t last, int64_t num_q_heads, double eps, double scale, at::IntArrayRef windows) {
+  check_rows(h, delta);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * (last - first) &&
+              static_cast<int64_t>(windows.size()) == last - first, "decode_layers: 7 weights and a window per layer");
+  Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
+  std::vector<float> wide;
+  at::Tensor d = delta.has_value() ? *delta : at::Tensor();
+  by_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t layer = first; layer < last; ++layer) {
+      const at::Tensor* w = weights.data() + 7 * (layer - first);
+      const at::Tensor bias = w[2].numel() ? w[2] : at::Tensor();
+      at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
+                                 num_q_heads, eps, wide);
+      d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6], eps, wide);
+    }
+  });
+  return d;
+}
+
+// The final norm of h + delta and the LM head's logits [B, V] in the model dtype.
+at::Tensor decode_logits(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& norm,
+                         const at::Tensor& lm_head, double eps) {
+  check_rows(h, delta);
+  std::vector<float> wide;
+  at::Tensor logits = at::empty({h.size(0), lm_head.size(0)}, h.options());
+  by_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    at::Tensor x = at::empty_like(h);
+    add_rms_norm_rows<T>(ptr<T>(h), delta.has_value() ? ptr<T>(*delta) : nullptr, ptr<T>(norm), ptr<T>(x),
+                         h.size(0), h.size(1), static_cast<float>(eps));
+    product<T>(ptr<T>(x), h.size(0), lm_head, at::Tensor(), ptr<T>(logits), wide);
+  });
+  return logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
+  m.def("decode_layer_in(Tensor(a!) h, Tensor? delta, Tensor ln1, Tensor qkv, Tensor? qkv_bias, Tensor cos, "
+        "Tensor sin, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, "
+        "Tensor(e!) kmin, Tensor(f!) kmax, Tensor slots, int layer, int num_q_heads, float eps) -> Tensor",
+        &decode_layer_in);
+  m.def("decode_layer_attend(Tensor q, Tensor? selected, Tensor k_pool, Tensor v_pool, Tensor block_table, "
+        "Tensor num_tokens, Tensor kmin, Tensor kmax, Tensor slots, int layer, float scale, int window) -> Tensor",
+        &decode_layer_attend);
+  m.def("decode_layer_mlp(Tensor(a!) h, Tensor attn, Tensor o, Tensor ln2, Tensor gate_up, Tensor down, "
+        "float eps) -> Tensor", &decode_layer_mlp);
+  m.def("decode_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
+        "Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, Tensor(f!) kmax, "
+        "Tensor slots, int first, int last, int num_q_heads, float eps, float scale, int[] windows) -> Tensor",
+        &decode_layers);
+  m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, float eps) -> Tensor",
+        &decode_logits);
+}

@@ -1,0 +1,110 @@
+"""The fused CPU decode step (ops/cpu_decoder.cpp + cpu_gemm.cpp) against the per-op path, and its skinny GEMM.
+
+The per-op path multiplies decode rows with the same skinny product (Linear.rows), so the two paths must agree bit
+for bit: every chosen token and the bits of its log-probability, for every policy, in bf16 and fp32, with and
+without a sliding window.
+"""
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from systems.base import GenerationRequest
+from systems.engine.engine import Engine
+from systems.engine.ops import cpu_kernels
+from systems.policies import load_policy
+from tests.test_engine_invariants import MODULE, POLICIES
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_fused_decode(), reason="CPU kernels not built")
+
+
+def _reference_product(x, w, b):
+    return x.double() @ w.double().T + (0 if b is None else b.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_rows_do_not_depend_on_the_batch_or_threads(dtype):
+    """Each output row is computed from its own input row alone: the same bits alone, in any batch of 1-37 rows, in
+    any split of the batch and on 1 or 2 threads; and it is the product, within one rounding of the dtype."""
+    lanes = cpu_kernels.gemm_lanes()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(203, 12 * lanes, generator=g).to(dtype)      # 203 rows: every tile width leaves a tail
+    b = torch.randn(203, generator=g).to(dtype)
+    x = torch.randn(37, 12 * lanes, generator=g).to(dtype)
+    op = torch.ops.kvharness_cpu.skinny_linear
+    assert op(x[:0], w, b).shape == (0, 203)
+    full = op(x, w, b)
+    alone = torch.cat([op(x[i:i + 1], w, b) for i in range(37)])
+    assert torch.equal(full, alone)
+    for split in (2, 3, 5, 9):
+        assert torch.equal(torch.cat([op(c, w, b) for c in x.split(split)]), full)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert torch.equal(op(x, w, b), full)
+    finally:
+        torch.set_num_threads(threads)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(full.double(), _reference_product(x, w, b), rtol=tol, atol=tol * 10)
+    assert torch.equal(op(x, w, None), op(x, w, None))
+    torch.testing.assert_close(op(x, w, None).double(), _reference_product(x, w, None), rtol=tol, atol=tol * 10)
+
+
+@pytest.fixture(scope="module")
+def tiny_window_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Mistral with a 24-token sliding window (shorter than the prompts)."""
+    from transformers import MistralConfig
+
+    from tests.conftest import _save_tiny
+    cfg = MistralConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                        sliding_window=24, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory.mktemp("tiny_window"), cfg, tokenizer_dir)
+
+
+def _run(path, policy_name: str, dtype: str, fused: bool) -> tuple[list, bool]:
+    P = 4
+    cfg = SimpleNamespace(page_size=P, device_memory_gb=4096 * 2 * P * 16 * 4 / 2 ** 30,
+                          host_memory_gb=4096 * 2 * P * 16 * 4 / 2 ** 30, max_num_seqs=4,
+                          max_num_batched_tokens=512, batch_invariant=True, fused_decode=fused)
+    policy = load_policy(MODULE.get(policy_name, policy_name), POLICIES[policy_name])
+    engine = Engine(str(path), policy, cfg, dtype=dtype)
+    rng = random.Random(11)
+    requests = [GenerationRequest(f"r{i}", [rng.randrange(3, 49000) for _ in range(rng.randint(30, 70))], 14,
+                                  ignore_eos=True, logprob_steps=0) for i in range(3)]
+    seqs = engine.generate(requests)
+    return [(s.output_ids, s.token_logprobs) for s in seqs], engine.runner.fused is not None
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_fused_step_equals_the_per_op_step(tiny_llama_dir, name, dtype):
+    """Every policy's hooks (page selection, decode-time eviction, promotion) run between the fused halves of each
+    layer exactly as between the per-op layer's ops: identical tokens and log-probability bits."""
+    fused, active = _run(tiny_llama_dir, name, dtype, fused=True)
+    per_op, inactive = _run(tiny_llama_dir, name, dtype, fused=False)
+    assert active and not inactive
+    assert fused == per_op
+
+
+@pytest.mark.parametrize("name", ["dense", "quest", "streaming"])
+def test_fused_step_honours_sliding_windows(tiny_window_dir, name):
+    fused, active = _run(tiny_window_dir, name, "float32", fused=True)
+    per_op, _ = _run(tiny_window_dir, name, "float32", fused=False)
+    assert active
+    assert fused == per_op
+
+
+def test_fused_step_states_why_it_cannot_run(tiny_llama_dir):
+    """A model the fused layer does not cover (here: fp16) keeps the per-op path and says why."""
+    from systems.engine import fused_decode
+    from systems.engine.kv_cache import TieredKVCache
+    from systems.engine.models.llama import LlamaModel
+
+    model = LlamaModel(tiny_llama_dir, torch.float16, torch.device("cpu"))
+    s = model.spec
+    kv = TieredKVCache(num_layers=s.num_layers, num_q_heads=s.num_q_heads, num_kv_heads=s.num_kv_heads,
+                       head_dim=s.head_dim, page_size=4, max_seqs=1, max_model_len=64, device_memory_gb=0.001,
+                       host_memory_gb=0.001, dtype=torch.float16, device=torch.device("cpu"))
+    assert "dtype" in fused_decode.unsupported(model, kv)
