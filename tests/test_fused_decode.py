@@ -27,28 +27,46 @@ def _reference_product(x, w, b):
 def test_skinny_rows_do_not_depend_on_the_batch_or_threads(dtype):
     """Each output row is computed from its own input row alone: the same bits alone, in any batch of 1-37 rows, in
     any split of the batch and on 1 or 2 threads; and it is the product, within one rounding of the dtype."""
-    lanes = cpu_kernels.gemm_lanes()
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(203, 12 * lanes, generator=g).to(dtype)      # 203 rows: every tile width leaves a tail
+    w = torch.randn(203, 100, generator=g).to(dtype)      # 203 outputs, K 100: partial panels, odd K
     b = torch.randn(203, generator=g).to(dtype)
-    x = torch.randn(37, 12 * lanes, generator=g).to(dtype)
-    op = torch.ops.kvharness_cpu.skinny_linear
-    assert op(x[:0], w, b).shape == (0, 203)
-    full = op(x, w, b)
-    alone = torch.cat([op(x[i:i + 1], w, b) for i in range(37)])
+    x = torch.randn(37, 100, generator=g).to(dtype)
+    packed = torch.ops.kvharness_cpu.skinny_pack(w)
+
+    def op(rows, bias=b):
+        return torch.ops.kvharness_cpu.skinny_linear(rows, packed, bias, 203)
+
+    assert op(x[:0]).shape == (0, 203)
+    full = op(x)
+    alone = torch.cat([op(x[i:i + 1]) for i in range(37)])
     assert torch.equal(full, alone)
-    for split in (2, 3, 5, 9):
-        assert torch.equal(torch.cat([op(c, w, b) for c in x.split(split)]), full)
+    for split in (2, 3, 5, 7, 9):
+        assert torch.equal(torch.cat([op(c) for c in x.split(split)]), full)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2 if threads == 1 else 1)
-        assert torch.equal(op(x, w, b), full)
+        assert torch.equal(op(x), full)
     finally:
         torch.set_num_threads(threads)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(full.double(), _reference_product(x, w, b), rtol=tol, atol=tol * 10)
-    assert torch.equal(op(x, w, None), op(x, w, None))
-    torch.testing.assert_close(op(x, w, None).double(), _reference_product(x, w, None), rtol=tol, atol=tol * 10)
+    torch.testing.assert_close(op(x, None).double(), _reference_product(x, w, None), rtol=tol, atol=tol * 10)
+
+
+def test_skinny_product_is_one_fma_chain_per_output():
+    """The documented order, checked in fp32 against a scalar emulation: acc = fma(x_k, w_k, acc) for k = 0..K-1
+    from zero (exact products rounded with the running sum once each, as math.fma would), then + bias."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(5)
+    w, x, b = torch.randn(40, 33, generator=g), torch.randn(2, 33, generator=g), torch.randn(40, generator=g)
+    y = torch.ops.kvharness_cpu.skinny_linear(x, torch.ops.kvharness_cpu.skinny_pack(w), b, 40)
+    for m in range(2):
+        for n in range(40):
+            acc = np.float32(0)
+            for k in range(33):     # an fp32 fma, emulated in float64 (which holds the product exactly)
+                acc = np.float32(np.float64(x[m, k].item()) * np.float64(w[n, k].item()) + np.float64(acc))
+            assert y[m, n].item() == np.float32(acc + np.float32(b[n].item()))
 
 
 @pytest.fixture(scope="module")

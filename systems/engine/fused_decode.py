@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from systems.engine.kv_cache import TieredKVCache
+from systems.engine.models.linear import Linear
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
 from systems.policies.base import DecodeStep, Policy, SeqInfo
@@ -35,10 +36,6 @@ def unsupported(model: LlamaModel, kv: TieredKVCache) -> str | None:
         return "the fused elementwise kernels are not built"
     if not cpu_kernels.has_fused_decode():
         return "the CPU kernels are not built"
-    lanes = cpu_kernels.gemm_lanes()
-    widths = (s.hidden_size, s.num_q_heads * s.head_dim, s.intermediate_size)
-    if any(w % lanes for w in widths):
-        return f"matrix widths {widths} are not multiples of {lanes}"
     if (s.head_dim not in cpu_kernels.HEAD_DIMS or kv.page_size > cpu_kernels.MAX_PAGE
             or s.num_q_heads // s.num_kv_heads > cpu_kernels.MAX_GROUP):
         return "head_dim, page size or query group outside the compiled kernels"
@@ -51,8 +48,15 @@ class FusedDecode:
     def __init__(self, model: LlamaModel, kv: TieredKVCache, policy: Policy):
         self.model, self.kv, self.policy = model, kv, policy
         empty = torch.empty(0, dtype=model.dtype)
-        self.layers = [(lw.ln1, lw.qkv.weight, lw.qkv.bias if lw.qkv.bias is not None else empty, lw.o.weight,
-                        lw.ln2, lw.gate_up.weight, lw.down.weight) for lw in model.layers]
+        def packed(linear: Linear) -> torch.Tensor:
+            weight = linear.skinny_weight
+            assert weight is not None          # unsupported() said the kernels are built
+            return weight
+
+        # the products' weights in the skinny GEMM's panel layout (packed once, kept by each Linear)
+        self.layers = [(lw.ln1, packed(lw.qkv), lw.qkv.bias if lw.qkv.bias is not None else empty, packed(lw.o),
+                        lw.ln2, packed(lw.gate_up), packed(lw.down)) for lw in model.layers]
+        self.lm_head = packed(model.lm_head)
         self.flat_weights = [t for layer in self.layers for t in layer]
         # policies that keep Policy's no-op decode hooks run the whole stack in one call
         self.per_layer = (type(policy).select_pages is not Policy.select_pages
@@ -69,13 +73,13 @@ class FusedDecode:
         ops, kv, model, spec = torch.ops.kvharness_cpu, self.kv, self.model, self.model.spec
         cos, sin = model.rope(positions, self.rope_table)
         h = F.embedding(ids, model.embed).contiguous()
-        eps, nq = spec.rms_norm_eps, spec.num_q_heads
+        eps, nq, inter = spec.rms_norm_eps, spec.num_q_heads, spec.intermediate_size
         store = (kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax)
         slots = slots.to(torch.int64).contiguous()
         delta: torch.Tensor | None = None
         if not self.per_layer and clock is None:
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
-                                      eps, kv.scale, self.windows)
+                                      inter, eps, kv.scale, self.windows)
         else:
             for layer, (ln1, qkv, bias, o, ln2, gate_up, down) in enumerate(self.layers):
                 q = ops.decode_layer_in(h, delta, ln1, qkv, bias if bias.numel() else None, cos, sin, *store, slots,
@@ -90,8 +94,8 @@ class FusedDecode:
                 attn = ops.decode_layer_attend(q, selected, *store, slots, layer, kv.scale, self.windows[layer])
                 if clock:
                     clock("attention")
-                delta = ops.decode_layer_mlp(h, attn, o, ln2, gate_up, down, eps)
+                delta = ops.decode_layer_mlp(h, attn, o, ln2, gate_up, down, inter, eps)
                 self.policy.after_append(kv, step)
                 if clock:
                     clock("rest")
-        return ops.decode_logits(h, delta, model.norm, model.lm_head.weight, eps).float()
+        return ops.decode_logits(h, delta, model.norm, self.lm_head, model.lm_head.weight.shape[0], eps).float()

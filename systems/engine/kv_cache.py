@@ -55,6 +55,7 @@ class TieredKVCache:
         self.minmax_bytes_per_page = 2 * head_dim * elem
         self.bytes_host_to_device = 0
         self.bytes_device_to_host = 0
+        self.minmax_bytes_read = 0      # MinMax bounds the page scorers read (selection metadata, decode_roofline)
         self._paused: set[int] = set()
         self._inflight: dict[int, torch.cuda.Event] = {}         # slot -> CUDA event of its last promotion
         # tier copies overlap decoding on a stream at the lowest priority (CUDA's 0; negative is higher)
@@ -186,6 +187,7 @@ class TieredKVCache:
         counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
         n_pages = -(-counts.long() // self.page_size)
         width = int(n_pages.max()) if width is None else width
+        self.minmax_bytes_read += slots.numel() * n_pages.shape[-1] * width * self.minmax_bytes_per_page
         # one layer's MinMax cache as a view: the kernels read the rows and heads in place
         return self.ops.page_scores(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
                                     slots, heads)
@@ -195,6 +197,8 @@ class TieredKVCache:
         if width is None:         # the longest listed head (a device sync; callers that know the lengths pass it)
             counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
             width = -(-int(counts.max()) // self.page_size)
+        listed = self.num_kv_heads if heads is None else heads.numel()
+        self.minmax_bytes_read += slots.numel() * listed * width * self.minmax_bytes_per_page
         # the op reads the token counts through slots and heads itself: no gather or page arithmetic out here
         return self.ops.top_pages(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width],
                                   self.num_tokens[:, layer], self.page_size, k, keep_last, slots,

@@ -49,29 +49,31 @@ class Linear:
         """`prepack=False` keeps F.linear, which has gradients."""
         self.bias = bias
         self.packed = prepacked(weight, bias) if prepack else None
-        # the plain matrix stays beside a packed copy: the fused decode step streams it (ops/cpu_gemm.cpp)
         self.weight = weight
         # an fp32 copy beside the bf16 weight (3x the memory) where bf16 is emulated, for prompt-sized inputs
         self.wide = (weight.float(), None if bias is None else bias.float()) if prepack and emulates_bf16(weight) \
             else None
 
-    def skinny(self) -> bool:
-        """Whether `rows` runs the skinny CPU product here (else it falls back to the GEMM library)."""
-        if not hasattr(self, "_skinny"):
-            self._skinny = False
-            if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float32) \
-                    and self.weight.is_contiguous():
+    @property
+    def skinny_weight(self) -> torch.Tensor | None:
+        """The weight packed for the skinny CPU product (ops/cpu_gemm.cpp), made on first use; None where that
+        product cannot run (not CPU, not bf16/fp32, kernels not built)."""
+        if not hasattr(self, "_skinny_weight"):
+            self._skinny_weight = None
+            if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float32):
                 from systems.engine.ops import cpu_kernels
 
-                self._skinny = cpu_kernels.has_fused_decode() and self.weight.shape[1] % cpu_kernels.gemm_lanes() == 0
-        return self._skinny
+                if cpu_kernels.has_fused_decode():
+                    self._skinny_weight = torch.ops.kvharness_cpu.skinny_pack(self.weight)
+        return self._skinny_weight
 
     def rows(self, x: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-        """Decode rows: the skinny product, where every row is one dot product per output that depends on that row
-        alone (batch-invariant by construction, weights streamed once), the same arithmetic as the fused decode
+        """Decode rows: the skinny product, where every output is one fused multiply-add chain over its row and its
+        weights (batch-invariant by construction, weights streamed once), the same arithmetic as the fused decode
         step; where it cannot run, the GEMM library with `tile`."""
-        if self.skinny():
-            return torch.ops.kvharness_cpu.skinny_linear(x, self.weight, self.bias)
+        packed = self.skinny_weight
+        if packed is not None:
+            return torch.ops.kvharness_cpu.skinny_linear(x, packed, self.bias, self.weight.shape[0])
         return self(x, tile)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:

@@ -86,10 +86,13 @@ void append_kv(const Storage& st, int64_t layer, const T* qkv, int64_t B, int64_
   }
 }
 
-// y [B, N] = x [B, K] . w^T (+ bias) in the model dtype.
+// y [B, N] = x [B, K] . w^T (+ bias) in the model dtype, w packed by skinny_pack ([panels, K, panel]).
 template <typename T>
-void product(const T* x, int64_t B, const at::Tensor& w, const at::Tensor& bias, T* y, std::vector<float>& wide) {
-  const int64_t N = w.size(0), K = w.size(1);
+void product(const T* x, int64_t B, const at::Tensor& w, const at::Tensor& bias, int64_t N, T* y,
+             std::vector<float>& wide) {
+  const int64_t K = w.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == gemm_panel() && N <= w.size(0) * w.size(2),
+              "fused decode: weights must be packed by skinny_pack");
   wide.resize(static_cast<size_t>(B * K));
   for (int64_t i = 0; i < B * K; ++i) wide[i] = to_float(x[i]);
   gemm_rows(wide.data(), B, K, ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, N, y);
@@ -104,7 +107,7 @@ at::Tensor layer_in(at::Tensor& h, const T* delta, const at::Tensor& ln1, const 
   at::Tensor x = at::empty_like(h);
   add_rms_norm_rows<T>(ptr<T>(h), delta, ptr<T>(ln1), ptr<T>(x), B, H, static_cast<float>(eps));
   at::Tensor qkv = at::empty({B, width}, h.options());
-  product<T>(ptr<T>(x), B, wqkv, bqkv, ptr<T>(qkv), wide);
+  product<T>(ptr<T>(x), B, wqkv, bqkv, width, ptr<T>(qkv), wide);
   rope_rows<T>(ptr<T>(qkv), ptr<T>(cos), ptr<T>(sin), B, Hq + st.Hkv, D, width);
   append_kv<T>(st, layer, ptr<T>(qkv), B, Hq);
   return qkv.narrow(1, 0, Hq * D).contiguous().view({B, Hq, D});
@@ -147,18 +150,18 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& selected, const Storage
 // h += attn . Wo; returns the MLP's output (the next layer's delta): down(silu(gate) * up) of norm(h).
 template <typename T>
 at::Tensor layer_mlp(at::Tensor& h, const at::Tensor& attn, const at::Tensor& wo, const at::Tensor& ln2,
-                     const at::Tensor& wgu, const at::Tensor& wdown, double eps, std::vector<float>& wide) {
-  const int64_t B = h.size(0), H = h.size(1), I = wgu.size(0) / 2;
+                     const at::Tensor& wgu, const at::Tensor& wdown, int64_t I, double eps, std::vector<float>& wide) {
+  const int64_t B = h.size(0), H = h.size(1);
   at::Tensor o = at::empty_like(h);
-  product<T>(ptr<T>(attn), B, wo, at::Tensor(), ptr<T>(o), wide);
+  product<T>(ptr<T>(attn), B, wo, at::Tensor(), H, ptr<T>(o), wide);
   at::Tensor x = at::empty_like(h);
   add_rms_norm_rows<T>(ptr<T>(h), ptr<T>(o), ptr<T>(ln2), ptr<T>(x), B, H, static_cast<float>(eps));
   at::Tensor gu = at::empty({B, 2 * I}, h.options());
-  product<T>(ptr<T>(x), B, wgu, at::Tensor(), ptr<T>(gu), wide);
+  product<T>(ptr<T>(x), B, wgu, at::Tensor(), 2 * I, ptr<T>(gu), wide);
   at::Tensor gated = at::empty({B, I}, h.options());
   silu_mul_rows<T>(ptr<T>(gu), ptr<T>(gated), B, I);
   at::Tensor delta = at::empty_like(h);
-  product<T>(ptr<T>(gated), B, wdown, at::Tensor(), ptr<T>(delta), wide);
+  product<T>(ptr<T>(gated), B, wdown, at::Tensor(), H, ptr<T>(delta), wide);
   return delta;
 }
 
@@ -210,23 +213,26 @@ at::Tensor decode_layer_attend(const at::Tensor& q, const c10::optional<at::Tens
 }
 
 at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tensor& wo, const at::Tensor& ln2,
-                            const at::Tensor& wgu, const at::Tensor& wdown, double eps) {
+                            const at::Tensor& wgu, const at::Tensor& wdown, int64_t intermediate, double eps) {
   check_rows(h, c10::nullopt);
   std::vector<float> wide;
   at::Tensor delta;
-  by_dtype(h, [&](auto tag) { delta = layer_mlp<decltype(tag)>(h, attn.contiguous(), wo, ln2, wgu, wdown, eps,
-                                                                 wide); });
+  by_dtype(h, [&](auto tag) {
+    delta = layer_mlp<decltype(tag)>(h, attn.contiguous(), wo, ln2, wgu, wdown, intermediate, eps, wide);
+  });
   return delta;
 }
 
 // Layers [first, last) of a decode step for a policy that reads every page. weights: 7 per layer from `first`
-// (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down); windows: each layer's sliding window (0: none).
+// (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down; the products packed by skinny_pack); windows: each
+// layer's sliding window (0: none).
 // Returns the last layer's delta (h updated).
 at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at::TensorList weights,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& num_tokens,
                          const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots, int64_t first,
-                         int64_t last, int64_t num_q_heads, double eps, double scale, at::IntArrayRef windows) {
+                         int64_t last, int64_t num_q_heads, int64_t intermediate, double eps, double scale,
+                         at::IntArrayRef windows) {
   check_rows(h, delta);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * (last - first) &&
               static_cast<int64_t>(windows.size()) == last - first, "decode_layers: 7 weights and a window per layer");
@@ -240,7 +246,7 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
       const at::Tensor bias = w[2].numel() ? w[2] : at::Tensor();
       at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
                                  num_q_heads, eps, wide);
-      d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6], eps, wide);
+      d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6], intermediate, eps, wide);
     }
   });
   return d;
@@ -248,16 +254,16 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
 
 // The final norm of h + delta and the LM head's logits [B, V] in the model dtype.
 at::Tensor decode_logits(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& norm,
-                         const at::Tensor& lm_head, double eps) {
+                         const at::Tensor& lm_head, int64_t vocab, double eps) {
   check_rows(h, delta);
   std::vector<float> wide;
-  at::Tensor logits = at::empty({h.size(0), lm_head.size(0)}, h.options());
+  at::Tensor logits = at::empty({h.size(0), vocab}, h.options());
   by_dtype(h, [&](auto tag) {
     using T = decltype(tag);
     at::Tensor x = at::empty_like(h);
     add_rms_norm_rows<T>(ptr<T>(h), delta.has_value() ? ptr<T>(*delta) : nullptr, ptr<T>(norm), ptr<T>(x),
                          h.size(0), h.size(1), static_cast<float>(eps));
-    product<T>(ptr<T>(x), h.size(0), lm_head, at::Tensor(), ptr<T>(logits), wide);
+    product<T>(ptr<T>(x), h.size(0), lm_head, at::Tensor(), vocab, ptr<T>(logits), wide);
   });
   return logits;
 }
@@ -273,11 +279,12 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
         "Tensor num_tokens, Tensor kmin, Tensor kmax, Tensor slots, int layer, float scale, int window) -> Tensor",
         &decode_layer_attend);
   m.def("decode_layer_mlp(Tensor(a!) h, Tensor attn, Tensor o, Tensor ln2, Tensor gate_up, Tensor down, "
-        "float eps) -> Tensor", &decode_layer_mlp);
+        "int intermediate, float eps) -> Tensor", &decode_layer_mlp);
   m.def("decode_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, Tensor(f!) kmax, "
-        "Tensor slots, int first, int last, int num_q_heads, float eps, float scale, int[] windows) -> Tensor",
+        "Tensor slots, int first, int last, int num_q_heads, int intermediate, float eps, float scale, int[] windows) "
+        "-> Tensor",
         &decode_layers);
-  m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, float eps) -> Tensor",
+  m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor",
         &decode_logits);
 }

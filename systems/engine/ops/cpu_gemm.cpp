@@ -1,4 +1,4 @@
-// The skinny decode GEMM of cpu_gemm.h, and the `skinny_linear` op that exposes it (tests, the LM head).
+// The skinny decode GEMM of cpu_gemm.h, and the ops that expose it (`skinny_pack`, `skinny_linear`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,12 +19,16 @@
 namespace kvh {
 namespace {
 
-
 #if defined(__AVX512F__)
 constexpr int kGemmLanes = 16;
+constexpr int kTileRows = 6;   // 6 x 4 accumulators + 6 broadcast rows + 1 weight vector of 32 registers
 #else
 constexpr int kGemmLanes = 8;
+constexpr int kTileRows = 3;   // 3 x 4 accumulators + 3 broadcast rows + 1 weight vector of 16 registers
 #endif
+constexpr int kVectors = 4;                        // weight vectors per panel row
+constexpr int kPanel = kVectors * kGemmLanes;      // outputs per panel
+constexpr int64_t kPanelsPerTask = 4;
 
 typedef float gemm_vf __attribute__((vector_size(kGemmLanes * sizeof(float))));
 typedef uint32_t gemm_vu32 __attribute__((vector_size(kGemmLanes * sizeof(uint32_t))));
@@ -36,9 +40,17 @@ inline gemm_vf gemm_load(const float* p) {
   return v;
 }
 inline gemm_vf gemm_load(const uint16_t* p) {  // bf16 -> fp32: the bits move to the high half
+#if defined(__AVX512F__)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return reinterpret_cast<gemm_vf>(_mm512_slli_epi32(wide, 16));
+#elif defined(__AVX2__)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<gemm_vf>(_mm256_slli_epi32(wide, 16));
+#else
   gemm_vu16 h;
   std::memcpy(&h, p, sizeof(h));
   return reinterpret_cast<gemm_vf>(__builtin_convertvector(h, gemm_vu32) << 16);
+#endif
 }
 
 inline gemm_vf gemm_fma(gemm_vf a, gemm_vf b, gemm_vf c) {  // a * b + c, rounded once
@@ -53,15 +65,6 @@ inline gemm_vf gemm_fma(gemm_vf a, gemm_vf b, gemm_vf c) {  // a * b + c, rounde
 #endif
 }
 
-// The lanes of v summed in a fixed pairwise tree (the same order on every call).
-inline float gemm_hsum(gemm_vf v) {
-  float t[kGemmLanes];
-  std::memcpy(t, &v, sizeof(v));
-  for (int w = kGemmLanes / 2; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) t[i] = t[i] + t[i + w];
-  return t[0];
-}
-
 inline void gemm_store(float* p, float x) { *p = x; }
 inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite values)
   uint32_t u;
@@ -69,140 +72,149 @@ inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite
   *p = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// MR activation rows times NR weight rows over all K. Each accumulator is one chain acc = fma(x, w, acc) in k order,
-// whatever MR and NR are, so every tile shape gives the same bits for the same (row, weight row) pair. With
-// `prefetch`, the NR weight rows after this tile are requested a cache line at a time while it computes: rows of a
-// few hundred elements are too short for the hardware prefetcher to ramp up on its own.
-template <typename TW, typename TO, int MR, int NR, bool prefetch>
-inline void gemm_tile(const float* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, const TW* bias,
-                      TO* y, int64_t ldy) {
-  constexpr int64_t kLine = 64 / sizeof(TW);
-  gemm_vf acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = gemm_vf{};
-  for (int64_t k = 0; k < K; k += kGemmLanes) {
-    if (prefetch && k % kLine == 0)
-      for (int j = 0; j < NR; ++j) __builtin_prefetch(w + (NR + j) * ldw + k, 0, 0);
-    gemm_vf wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = gemm_load(w + j * ldw + k);
-    for (int i = 0; i < MR; ++i) {
-      const gemm_vf xv = gemm_load(x + i * ldx + k);
-      for (int j = 0; j < NR; ++j) acc[i][j] = gemm_fma(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) {
-      float s = gemm_hsum(acc[i][j]);
-      if (bias) s += to_float(bias[j]);
-      gemm_store(y + i * ldy + j, s);
-    }
-}
+// Output j of a panel row is the dot product x[m, :] . w[n0 + j, :] as ONE fused multiply-add chain over k = 0, 1,
+// ..., K - 1, starting from zero, then + bias, rounded once to the output dtype. That order is fixed by K alone, so
+// an output's bits never depend on M, on the tile of rows it falls in, or on the thread. The panel layout
+// [K, kPanel] puts the kPanel weights of one k side by side: a tile reads the panel front to back (one sequential
+// stream, a cache line or two per k), broadcasts x[m, k] and runs kVectors x rows independent chains.
+constexpr int kPrefetchBytes = 1024;
 
-// Weight rows per tile for MR activation rows: accumulators + weight registers + one activation register fit the
-// register file (16 vector registers on AVX2, 32 on AVX-512), and one row streams 8 weight rows at once.
-template <int MR>
-constexpr int cols_for_rows() {
-  if (kGemmLanes == 16) return MR == 1 ? 8 : MR == 2 ? 8 : MR == 3 ? 6 : 5;
-  return MR == 1 ? 8 : MR == 2 ? 4 : MR == 3 ? 3 : 3;
-}
-constexpr int64_t kGemmChunk = 120;  // weight rows per task: a multiple of every tile width above
-
-// Few rows (M <= 4): one tile of all M rows per weight block, weights read straight from memory.
 template <typename TW, typename TO, int MR>
-void gemm_few_rows(const float* x, int64_t K, const TW* w, const TW* bias, TO* y, int64_t N, int64_t n0,
-                   int64_t n1) {
-  constexpr int NR = cols_for_rows<MR>();
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR)
-    gemm_tile<TW, TO, MR, NR, true>(x, K, w + n * K, K, K, bias ? bias + n : nullptr, y + n, N);
-  for (; n < n1; ++n) gemm_tile<TW, TO, MR, 1, false>(x, K, w + n * K, K, K, bias ? bias + n : nullptr, y + n, N);
+inline void panel_tile(const float* x, int64_t K, const TW* panel, const float* bias, TO* y, int64_t ldy, int cols) {
+  gemm_vf acc[MR][kVectors];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kVectors; ++v) acc[i][v] = gemm_vf{};
+  constexpr int64_t kAhead = kPrefetchBytes / (kPanel * static_cast<int64_t>(sizeof(TW)));
+  for (int64_t k = 0; k < K; ++k) {
+    const TW* row = panel + k * kPanel;
+    __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead * kPanel), 0, 3);
+    gemm_vf xb[MR];
+    for (int i = 0; i < MR; ++i) {
+      const float xv = x[i * K + k];
+      for (int l = 0; l < kGemmLanes; ++l) xb[i][l] = xv;
+    }
+    for (int v = 0; v < kVectors; ++v) {
+      const gemm_vf wv = gemm_load(row + v * kGemmLanes);
+      for (int i = 0; i < MR; ++i) acc[i][v] = gemm_fma(xb[i], wv, acc[i][v]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    float out[kPanel];
+    for (int v = 0; v < kVectors; ++v) std::memcpy(out + v * kGemmLanes, &acc[i][v], sizeof(gemm_vf));
+    for (int j = 0; j < cols; ++j) gemm_store(y + i * ldy + j, bias ? out[j] + bias[j] : out[j]);
+  }
 }
 
-// Many rows: each block of NR weight rows is widened to fp32 once into `scratch` and reused by every tile of 4
-// activation rows (widening is exact, so the bits are those of the few-rows path).
+// Every row of x against panels [p0, p1): tiles of kTileRows rows, the tail in smaller tiles.
 template <typename TW, typename TO>
-void gemm_many_rows(const float* x, int64_t M, int64_t K, const TW* w, const TW* bias, TO* y, int64_t N, int64_t n0,
-                    int64_t n1, float* scratch) {
-  constexpr int NR = cols_for_rows<4>();
-  for (int64_t n = n0; n < n1; n += NR) {
-    const int64_t nr = std::min<int64_t>(NR, n1 - n);
-    for (int64_t i = 0; i < nr * K; ++i) scratch[i] = to_float(w[n * K + i]);
-    float bias_f[NR];
-    for (int64_t j = 0; j < nr; ++j) bias_f[j] = bias ? to_float(bias[n + j]) : 0.0f;
-    const float* b = bias ? bias_f : nullptr;
+void panel_range(const float* x, int64_t M, int64_t K, const TW* packed, const float* bias, int64_t N, TO* y,
+                 int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const TW* panel = packed + p * K * kPanel;
+    const int64_t n0 = p * kPanel;
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
+    const float* b = bias ? bias + n0 : nullptr;
     int64_t m = 0;
-    if (nr == NR) {
-      for (; m + 4 <= M; m += 4) gemm_tile<float, TO, 4, NR, false>(x + m * K, K, scratch, K, K, b, y + m * N + n, N);
-      for (; m < M; ++m) gemm_tile<float, TO, 1, NR, false>(x + m * K, K, scratch, K, K, b, y + m * N + n, N);
-    } else {
-      for (int64_t j = 0; j < nr; ++j)
-        for (m = 0; m < M; ++m)
-          gemm_tile<float, TO, 1, 1, false>(x + m * K, K, scratch + j * K, K, K, b ? b + j : nullptr,
-                                            y + m * N + n + j, N);
+    for (; m + kTileRows <= M; m += kTileRows)
+      panel_tile<TW, TO, kTileRows>(x + m * K, K, panel, b, y + m * N + n0, N, cols);
+    switch (M - m) {
+      case 0: break;
+      case 1: panel_tile<TW, TO, 1>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
+      case 2: panel_tile<TW, TO, 2>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
+#if defined(__AVX512F__)
+      case 3: panel_tile<TW, TO, 3>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
+      case 4: panel_tile<TW, TO, 4>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
+      case 5: panel_tile<TW, TO, 5>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
+#endif
+      default: break;
     }
   }
 }
 
 template <typename TW, typename TO>
-void gemm_rows_impl(const float* x, int64_t M, int64_t K, const TW* w, const TW* bias, int64_t N, TO* y) {
+void gemm_rows_impl(const float* x, int64_t M, int64_t K, const TW* packed, const TW* bias, int64_t N, TO* y) {
   if (M <= 0 || N <= 0) return;
-  const int64_t chunks = (N + kGemmChunk - 1) / kGemmChunk;
-  parallel_tasks(chunks, [&](auto next) {
-    std::vector<float> scratch(M > 4 ? cols_for_rows<4>() * K : 0);
-    for (int64_t c; (c = next()) < chunks;) {
-      const int64_t n0 = c * kGemmChunk, n1 = std::min(N, n0 + kGemmChunk);
-      switch (M) {
-        case 1: gemm_few_rows<TW, TO, 1>(x, K, w, bias, y, N, n0, n1); break;
-        case 2: gemm_few_rows<TW, TO, 2>(x, K, w, bias, y, N, n0, n1); break;
-        case 3: gemm_few_rows<TW, TO, 3>(x, K, w, bias, y, N, n0, n1); break;
-        case 4: gemm_few_rows<TW, TO, 4>(x, K, w, bias, y, N, n0, n1); break;
-        default: gemm_many_rows<TW, TO>(x, M, K, w, bias, y, N, n0, n1, scratch.data());
-      }
-    }
+  std::vector<float> bias_f(bias ? N : 0);
+  for (int64_t n = 0; n < static_cast<int64_t>(bias_f.size()); ++n) bias_f[n] = to_float(bias[n]);
+  const float* b = bias ? bias_f.data() : nullptr;
+  const int64_t panels = (N + kPanel - 1) / kPanel, tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
+  parallel_tasks(tasks, [&](auto next) {
+    for (int64_t t; (t = next()) < tasks;)
+      panel_range<TW, TO>(x, M, K, packed, b, N, y, t * kPanelsPerTask, std::min(panels, (t + 1) * kPanelsPerTask));
   });
+}
+
+template <typename T>
+void pack_impl(const T* w, int64_t N, int64_t K, T* packed) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int j = 0; j < kPanel; ++j) {
+        const int64_t n = p * kPanel + j;
+        packed[(p * K + k) * kPanel + j] = n < N ? w[n * K + k] : T{};
+      }
 }
 
 }  // namespace
 
-void gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* w, const uint16_t* bias, int64_t N, uint16_t* y) {
-  gemm_rows_impl<uint16_t, uint16_t>(x, M, K, w, bias, N, y);
+void gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* packed, const uint16_t* bias, int64_t N,
+               uint16_t* y) {
+  gemm_rows_impl<uint16_t, uint16_t>(x, M, K, packed, bias, N, y);
 }
-void gemm_rows(const float* x, int64_t M, int64_t K, const float* w, const float* bias, int64_t N, float* y) {
-  gemm_rows_impl<float, float>(x, M, K, w, bias, N, y);
+void gemm_rows(const float* x, int64_t M, int64_t K, const float* packed, const float* bias, int64_t N, float* y) {
+  gemm_rows_impl<float, float>(x, M, K, packed, bias, N, y);
 }
-int gemm_lanes() { return kGemmLanes; }
+void gemm_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed) { pack_impl(w, N, K, packed); }
+void gemm_pack(const float* w, int64_t N, int64_t K, float* packed) { pack_impl(w, N, K, packed); }
+int64_t gemm_panel() { return kPanel; }
 
 }  // namespace kvh
 
 namespace {
 
-// y = x . w^T (+ bias) in w's dtype (bf16 or fp32), every row computed alone (see cpu_gemm.h).
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(w.is_contiguous() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
-              "skinny_linear: w contiguous bf16 or fp32");
-  TORCH_CHECK(w.size(1) % kvh::gemm_lanes() == 0, "skinny_linear: K must be a multiple of ", kvh::gemm_lanes());
+template <typename T>
+T* raw(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+// w [N, K] in the panel layout [ceil(N / panel), K, panel] (zero-padded) that skinny_linear reads.
+at::Tensor skinny_pack(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
+              "skinny_pack: w [N, K] bf16 or fp32");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = kvh::gemm_panel();
+  at::Tensor packed = at::empty({(N + P - 1) / P, K, P}, w.options());
+  if (w.scalar_type() == at::kBFloat16) kvh::gemm_pack(raw<uint16_t>(wc), N, K, raw<uint16_t>(packed));
+  else kvh::gemm_pack(raw<float>(wc), N, K, raw<float>(packed));
+  return packed;
+}
+
+// y [M, n] = x . w^T (+ bias) in w's dtype, w packed by skinny_pack; every row computed alone (see cpu_gemm.h).
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         int64_t n) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kvh::gemm_panel() && packed.is_contiguous() &&
+              (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kFloat),
+              "skinny_linear: w packed by skinny_pack on this machine");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1), "skinny_linear: x [M, K] with the packed weight's K");
+  TORCH_CHECK(n > (packed.size(0) - 1) * packed.size(2) && n <= packed.size(0) * packed.size(2),
+              "skinny_linear: n does not match the packed weight");
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == w.scalar_type() && b.numel() == w.size(0), "skinny_linear: bias [N] like w");
+    TORCH_CHECK(b.scalar_type() == packed.scalar_type() && b.numel() == n, "skinny_linear: bias [n] like w");
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, w.options());
-  if (w.scalar_type() == at::kBFloat16) {
-    auto u16 = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), w.size(1), u16(w), b.defined() ? u16(b) : nullptr, w.size(0),
-                   u16(y));
-  } else {
-    kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), w.size(1), w.data_ptr<float>(),
-                   b.defined() ? b.data_ptr<float>() : nullptr, w.size(0), y.data_ptr<float>());
-  }
+  at::Tensor y = at::empty({x.size(0), n}, packed.options());
+  if (packed.scalar_type() == at::kBFloat16)
+    kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), x.size(1), raw<uint16_t>(packed),
+                   b.defined() ? raw<uint16_t>(b) : nullptr, n, raw<uint16_t>(y));
+  else
+    kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), x.size(1), raw<float>(packed),
+                   b.defined() ? raw<float>(b) : nullptr, n, raw<float>(y));
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
-  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &skinny_linear);
-  m.def("gemm_lanes() -> int", []() -> int64_t { return kvh::gemm_lanes(); });
+  m.def("skinny_pack(Tensor w) -> Tensor", &skinny_pack);
+  m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &skinny_linear);
 }

@@ -141,10 +141,6 @@ def has_fused_decode() -> bool:
     return available() and hasattr(torch.ops.kvharness_cpu, "decode_layers")
 
 
-def gemm_lanes() -> int:
-    """The fp32 lanes the skinny GEMM accumulates in (16 on AVX-512, 8 otherwise): its K must be a multiple."""
-    return int(torch.ops.kvharness_cpu.gemm_lanes())
-
 
 def _bf16_prompt_kernel() -> bool:
     if "prompt" not in _state:
