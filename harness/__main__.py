@@ -7,7 +7,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from harness.schema import register
+from harness.running.schema import register
 
 register()
 
@@ -29,7 +29,7 @@ def precheck(argv: list[str]) -> None:
     """Compose the command line once before Hydra runs, so a typo or a wrong type exits with one line."""
     from hydra import compose, initialize_config_dir
 
-    from harness.runner import CONF_DIR, check_no_extra_keys
+    from harness.running.runner import CONF_DIR, check_no_extra_keys
 
     if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
         return  # sweeps, --help, --cfg: each job is still validated by the runner before any work
@@ -46,7 +46,7 @@ def precheck(argv: list[str]) -> None:
 # an absolute folder: the `kvharness` console script has no package-relative path to conf/
 @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.runner import UserError, run
+    from harness.running.runner import UserError, run
 
     try:
         run(cfg)
@@ -60,7 +60,7 @@ def cli() -> None:
     """`kvharness ...` and `python -m harness ...`: our --help (what can be run), a one-line precheck, then Hydra."""
     argv = sys.argv[1:]
     if argv and argv[0] in ("-h", "--help"):
-        from harness.catalog import help_text
+        from harness.running.catalog import help_text
         print(help_text())
         return
     precheck(argv)

@@ -3,7 +3,7 @@
 The one cell loop of the accuracy kinds (harness/experiments/): every accuracy experiment (accuracy,
 accuracy_retention, needlebench, cake_ablation, quickstart, ruler, budget_sweep) runs its cells through `run_cells`.
 Reference cells run first, because each policy cell compares its distributions with the reference's on the same
-samples (harness.fidelity). Engine cells decode batch-invariantly
+samples (harness.measuring.fidelity). Engine cells decode batch-invariantly
 (SYSTEM_DEFAULTS): a sample's tokens do not depend on which other samples share its batch, so a comparison is never
 decided by how requests happened to be batched.
 """
@@ -15,18 +15,19 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import accuracy_report, fidelity
-from harness import cells as cells_on_disk
-from harness import grid as grid_lib
-from harness import params as params_lib
-from harness.assets import model_dir as resolve_model_dir
-from harness.envinfo import env_record
-from harness.params import AccuracyParams
-from harness.progress import RunProgress
-from harness.prompts import render_all
-from harness.runner import GridCell, UserError, dump_yaml
-from harness.store import CellStore
-from harness.summary import print_paths
+from harness import accuracy_report
+from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.measuring import fidelity
+from harness.reporting.summary import print_paths
+from harness.running import cells as cells_on_disk
+from harness.running import grid as grid_lib
+from harness.running import params as params_lib
+from harness.running.envinfo import env_record
+from harness.running.params import AccuracyParams
+from harness.running.progress import RunProgress
+from harness.running.prompts import render_all
+from harness.running.runner import GridCell, UserError, dump_yaml
+from harness.running.store import CellStore
 from systems.base import GenerationRequest
 from systems.registry import build_system
 from tasks.base import load_task

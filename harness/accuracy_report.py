@@ -1,7 +1,7 @@
 """Accuracy numbers with their uncertainty, from per-sample rows: scores, retention, fidelity, paired comparisons.
 
 Every accuracy experiment reports through `AccuracyData` (one object per summary), so each number carries its n and
-a 95 % bootstrap interval (harness.uncertainty) and two systems are ranked only where the paired interval of their
+a 95 % bootstrap interval (harness.reporting.uncertainty) and two systems are ranked only where the paired interval of their
 difference excludes 0. Definitions:
 
 - task unit: a task, or each part its benchmark reports one number for (the task's `unit_key`: LongBench's
@@ -12,7 +12,7 @@ difference excludes 0. Definitions:
   less than `min_reference` above chance is flagged and left out of averages: its ratio is noise.
 - macro retention: the mean of per-unit retentions (FlexiCache's average); ratio of means: mean score ÷ mean
   reference score over the same units (CAKE's).
-- fidelity (harness.fidelity): top-1 agreement and KL(reference ‖ policy) per sample, averaged over all samples
+- fidelity (harness.measuring.fidelity): top-1 agreement and KL(reference ‖ policy) per sample, averaged over all samples
   (each sample weighs the same); Δ gold log-likelihood: policy − reference, paired per sample.
 - device KV: resident device pages × page size at the end of a request, per layer and KV head (the budget a policy
   really keeps; retrieval policies keep everything and spend their budget on reads).
@@ -26,8 +26,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import uncertainty as unc
-from harness.uncertainty import Estimate
+from harness.reporting import uncertainty as unc
+from harness.reporting.uncertainty import Estimate
 from tasks.base import task_class
 
 MIN_REFERENCE = 5.0
@@ -346,7 +346,7 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
     """Averages, the per-unit table (in the CSV only when not `per_unit`), the pairwise comparisons and the
     retention / fidelity figures. `pairwise_groups` ({title: systems}) compares systems only within each group
     (e.g. policies at the same budget) instead of every pair."""
-    from harness import plots
+    from harness.reporting import plots
 
     units = list(units or data.units)
     if reference is not None and reference in data.systems:
@@ -402,7 +402,7 @@ def cells_seconds(metrics: list[dict]) -> float:
 def write_cells_summary(cfg, p, cells, labels, metrics: list[dict], rows_by_cell: dict[str, list[dict]],
                         out_dir) -> dict:
     """The `accuracy` kind: any grid of cells, with retention and fidelity against a reference when there is one."""
-    from harness.summary import Summary, cell_envs
+    from harness.reporting.summary import Summary, cell_envs
 
     reference = p.reference or reference_label(None, labels)
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
@@ -413,9 +413,9 @@ def write_cells_summary(cfg, p, cells, labels, metrics: list[dict], rows_by_cell
         summary.glance(", ".join(f"{s} × {u}: {data.score(s, u).fmt(1)}" for u in data.units for s in data.systems
                                  if data.n(s, u)) + " (score 0–100, 95 % CI).")
     standard_sections(summary, data, reference, out_dir)
-    from harness import report
+    from harness.reporting import tables
     for cell, m in zip(cells, metrics):
-        grid = report.length_depth_table(rows_by_cell.get(cell.key, []))
+        grid = tables.length_depth_table(rows_by_cell.get(cell.key, []))
         if grid:
             summary.section(f"{m['system']} × {m['task']}: score by context length (tokens) × needle depth (%)")
             summary.text(grid)

@@ -5,10 +5,10 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import plots
-from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
-from harness.summary import Summary
+from harness.reporting import plots
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import Summary
 
 if TYPE_CHECKING:
     from harness.experiments.cake_ablation import Params

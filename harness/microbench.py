@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness.cpu_usage import CpuMeter
+from harness.measuring.cpu_usage import CpuMeter
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.ops import load_ops

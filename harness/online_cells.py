@@ -7,14 +7,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cells import cell_config
-from harness.cpu_usage import CpuMeter
-from harness.envinfo import env_record
-from harness.loadgen import Prompt, arrival_times, run_load
-from harness.runner import GridCell, dump_yaml
-from harness.servers import start_server, wait_idle
-from harness.stats import summarize as serving_stats
-from harness.store import CellStore, atomic_write_json
+from harness.measuring.cpu_usage import CpuMeter
+from harness.measuring.loadgen import Prompt, arrival_times, run_load
+from harness.measuring.servers import start_server, wait_idle
+from harness.measuring.serving_stats import summarize as serving_stats
+from harness.running.cells import cell_config
+from harness.running.envinfo import env_record
+from harness.running.runner import GridCell, dump_yaml
+from harness.running.store import CellStore, atomic_write_json
 
 if TYPE_CHECKING:
     from harness.experiments.online_sweep import Params
@@ -24,7 +24,7 @@ log = logging.getLogger("kvharness")
 
 def essay_windows(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
     """`count` windows of essay tokens starting at distinct offsets, so no two prompts share a prefix."""
-    from harness.assets import essay_files
+    from harness.integrations.assets import essay_files
 
     text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in essay_files())
     base = tokenizer.encode(text, add_special_tokens=False)

@@ -6,8 +6,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from harness.runner import CONF_DIR, USER_ERRORS, resolve_cells, validate
-from harness.schema import register
+from harness.running.runner import CONF_DIR, USER_ERRORS, resolve_cells, validate
+from harness.running.schema import register
 from systems.registry import SystemConfigError
 
 register()
@@ -65,7 +65,7 @@ def _compose(overrides):
 
 
 def _check_model_path(cfg):
-    from harness.assets import model_dir
+    from harness.integrations.assets import model_dir
     if cfg.model.path:
         model_dir(cfg.model.path)
 
@@ -87,7 +87,7 @@ def test_enough_cases():
 
 
 def test_prompt_too_long_with_truncation_off():
-    from harness.prompts import render_all
+    from harness.running.prompts import render_all
     from tasks.base import Sample, TaskError
 
     class Tok:
@@ -102,7 +102,7 @@ def test_prompt_too_long_with_truncation_off():
 def test_device_pool_too_small_names_the_size(tiny_llama_dir):
     from omegaconf import OmegaConf
 
-    from harness.schema import SystemConfig
+    from harness.running.schema import SystemConfig
     from systems.registry import check_capacity
     sys_cfg = OmegaConf.merge(OmegaConf.structured(SystemConfig),
                               {"name": "engine-dense", "backend": "engine", "engine": {"device_memory_gb": 1e-5}})
@@ -137,7 +137,7 @@ def test_unreachable_hub_names_the_key(monkeypatch):
 
 
 def test_corrupted_model_cache_is_detected(tmp_path):
-    from harness.assets import MARKER, _fingerprint, is_verified
+    from harness.integrations.assets import MARKER, _fingerprint, is_verified
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x" * 100)
@@ -168,7 +168,7 @@ SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_val
 
 
 def _system_files():
-    from harness.runner import CONF_DIR
+    from harness.running.runner import CONF_DIR
     return sorted(p.stem for p in (CONF_DIR / "system").glob("*.yaml"))
 
 
@@ -178,8 +178,8 @@ def test_every_system_file_validates(name, tmp_path):
     configure on the shipped model's shape); only its config.json is read: the folder holds no weights."""
     import json
 
-    from harness.runner import check_budget, load_group
-    from harness.schema import ModelConfig, SystemConfig
+    from harness.running.runner import check_budget, load_group
+    from harness.running.schema import ModelConfig, SystemConfig
     from systems.registry import check_dims, check_system
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     system = load_group("system", name, SystemConfig)
@@ -192,8 +192,8 @@ def test_every_system_file_validates(name, tmp_path):
 def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
     import json
 
-    from harness.runner import load_group
-    from harness.schema import SystemConfig
+    from harness.running.runner import load_group
+    from harness.running.schema import SystemConfig
     from systems.registry import check_capacity
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     system = load_group("system", name, SystemConfig)
@@ -206,7 +206,7 @@ def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
 
 
 def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llama_dir):
-    from harness.runner import UserError, run
+    from harness.running.runner import UserError, run
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     cfg = _compose(["+exp=quickstart", "exp.systems=[dense]", f"model.path={tiny_llama_dir}",
@@ -221,7 +221,7 @@ def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llam
 def test_speed_experiments_refuse_a_too_small_pool_before_loading(exp, tmp_path, tiny_llama_dir, monkeypatch):
     import harness.accuracy_cells
     import harness.online_cells
-    from harness.runner import UserError, run
+    from harness.running.runner import UserError, run
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("a system was started before the capacity check")

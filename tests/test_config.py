@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from harness.runner import CONF_DIR, UserError, resolve_cells, validate
-from harness.schema import register
+from harness.running.runner import CONF_DIR, UserError, resolve_cells, validate
+from harness.running.schema import register
 from tasks.base import TaskError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +104,7 @@ def test_every_experiment_grid_expands_and_validates(exp):
     """A committed experiment's grid (per-task params, budget sweeps) is valid before anyone spends an hour on it."""
     import importlib
 
-    from harness import params as params_lib
+    from harness.running import params as params_lib
     cfg = _compose([f"+exp={exp}"])
     module = importlib.import_module(f"harness.experiments.{cfg.exp.kind}")
     if not hasattr(module, "grid"):
@@ -118,7 +118,7 @@ def test_every_experiment_grid_expands_and_validates(exp):
 
 
 def test_a_budget_a_policy_cannot_run_at_is_left_out_and_named():
-    from harness.grid import budgets_left_out, by_budget
+    from harness.running.grid import budgets_left_out, by_budget
     cfg = _compose(["+exp=budget_sweep", "exp.systems=[dense,quest,lserve]"])
     cells = resolve_cells(cfg)
     out, labels = by_budget(cfg, cells, [32, 128], None)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.runner import CONF_DIR, run
-from harness.schema import register
+from harness.running.runner import CONF_DIR, run
+from harness.running.schema import register
 
 register()
 

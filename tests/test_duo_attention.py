@@ -6,8 +6,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness.experiments import duo_attention as duo
-from harness.runner import CONF_DIR, run
-from harness.schema import register
+from harness.running.runner import CONF_DIR, run
+from harness.running.schema import register
 
 register()
 

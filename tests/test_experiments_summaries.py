@@ -4,9 +4,9 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from harness import grid as grid_lib
-from harness import plots
 from harness.experiments import cake_ablation, memory, needlebench
+from harness.reporting import plots
+from harness.running import grid as grid_lib
 
 
 def test_needlebench_length_depth_grid_from_rows():
@@ -70,8 +70,8 @@ def test_memory_analytic_counts():
 
 
 def test_variant_names_every_difference():
-    from harness.runner import GridCell, load_group
-    from harness.schema import SystemConfig, TaskConfig
+    from harness.running.runner import GridCell, load_group
+    from harness.running.schema import SystemConfig, TaskConfig
     s, t = load_group("system", "cake", SystemConfig), load_group("task", "needlebench_srt", TaskConfig)
     v = grid_lib.variant(GridCell(s, t, "x"), system_params={"allocation": "uniform"}, task_params={"lengths": [300]})
     assert v.key.startswith("engine-cake__needlebench_srt__") and "allocation=uniform" in v.key
@@ -91,8 +91,8 @@ def test_plots_write_png(tmp_path):
 
 
 def test_task_params_must_name_known_tasks():
-    from harness.runner import GridCell, UserError, load_group
-    from harness.schema import SystemConfig, TaskConfig
+    from harness.running.runner import GridCell, UserError, load_group
+    from harness.running.schema import SystemConfig, TaskConfig
     cell = GridCell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
     ok = OmegaConf.create({"exp": {"params": {"task_params": {"recall": {"repeats": 2}}}}})
     # a known task outside the grid is ignored
@@ -103,7 +103,7 @@ def test_task_params_must_name_known_tasks():
 
 
 def test_regenerate_line_merges_reruns_of_a_subset_and_made_by_names_every_command():
-    from harness import report
+    from harness.reporting import provenance as report
     cfg = OmegaConf.create({"exp": {"name": "accuracy_retention", "systems": ["dense", "quest", "cake"]}})
     full = "python -m harness +exp=accuracy_retention progress=false"
     rerun = "python -m harness +exp=accuracy_retention exp.systems=[dense,quest] results_dir=/tmp/x progress=false"
@@ -121,8 +121,8 @@ def test_regenerate_line_merges_reruns_of_a_subset_and_made_by_names_every_comma
 
 
 def test_made_by_names_the_code_that_wrote_a_summary_when_it_differs_from_the_cells():
-    from harness import report
-    from harness.envinfo import static_env
+    from harness.reporting import provenance as report
+    from harness.running.envinfo import static_env
     cfg = OmegaConf.create({"exp": {"name": "ruler", "systems": ["dense"]}})
     here = static_env()["code_hash"]
     old = report.provenance(cfg, [{"command_line": "python -m harness +exp=ruler", "code_hash": "0ld"}])
@@ -139,7 +139,7 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
     import numpy as np
 
     from harness.experiments import ruler
-    from harness.params import AccuracyParams
+    from harness.running.params import AccuracyParams
     rng = np.random.default_rng(3)
     cells, rows_by_cell = [], {}
     for i, (system, keep) in enumerate((("engine-dense", 1.0), ("engine-a", 0.7), ("engine-b", 0.3))):

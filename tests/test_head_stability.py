@@ -71,8 +71,8 @@ def test_overlap_table():
 
 
 def test_end_to_end_profile_feeds_flexicache(tiny_llama_dir, tmp_path):
-    from harness.runner import run
-    from harness.schema import Config
+    from harness.running.runner import run
+    from harness.running.schema import Config
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create({
         "model": {"path": str(tiny_llama_dir), "dtype": "float32", "max_input_tokens": 1500, "max_model_len": 2048,
                   "name": "tiny"},

@@ -7,8 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.experiments import online_sweep
-from harness.runner import UserError
-from harness.stats import RequestOutput, summarize
+from harness.measuring.serving_stats import RequestOutput, summarize
+from harness.running.runner import UserError
 
 
 def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
@@ -20,7 +20,7 @@ def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
 
 def checked(cfg, cells):
     """Parse then check, as the runner does before any server starts."""
-    from harness.params import ParamsError, parse
+    from harness.running.params import ParamsError, parse
     try:
         p = parse(cfg, online_sweep.Params)
     except ParamsError as exc:

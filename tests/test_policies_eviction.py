@@ -148,7 +148,7 @@ def test_system_yaml_matches_the_dataclass_defaults(name):
 
     from omegaconf import OmegaConf
 
-    from harness.schema import SystemConfig
+    from harness.running.schema import SystemConfig
     cfg = OmegaConf.merge(OmegaConf.structured(SystemConfig),
                           OmegaConf.load(Path(__file__).parents[1] / "conf" / "system" / f"{name}.yaml"))
     policy = load_policy(cfg.policy, OmegaConf.to_container(cfg.params))

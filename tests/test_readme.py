@@ -1,4 +1,4 @@
-"""README.md's quickstart and results blocks are what harness.readme builds from the committed summaries."""
+"""README.md's quickstart and results blocks are what harness.reporting.readme builds from the committed summaries."""
 import io
 import subprocess
 import tarfile
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import readme
+from harness.reporting import readme
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def _committed(tmp_path: Path) -> Path:
 def test_readme_matches_committed_summaries(tmp_path):
     text = (ROOT / "README.md").read_text()
     assert readme.render(text, _committed(tmp_path)) == text, \
-        "README.md is out of date with the committed summaries: run `python -m harness.readme`"
+        "README.md is out of date with the committed summaries: run `python -m harness.reporting.readme`"
 
 
 def _tree(tmp_path: Path) -> Path:

@@ -9,8 +9,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import accuracy_cells, accuracy_report
-from harness.params import AccuracyParams
-from harness.runner import GridCell
+from harness.running.params import AccuracyParams
+from harness.running.runner import GridCell
 
 Params = AccuracyParams
 SYSTEM_DEFAULTS = accuracy_cells.SYSTEM_DEFAULTS

@@ -22,11 +22,11 @@ from omegaconf import DictConfig
 
 from harness import accuracy_cells as accuracy
 from harness import accuracy_report
-from harness import grid as grid_lib
 from harness.accuracy_report import AccuracyData
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
+from harness.reporting.summary import Summary, cell_envs
+from harness.running import grid as grid_lib
+from harness.running.params import AccuracyParams
+from harness.running.runner import GridCell, UserError
 
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 # per-request policy statistics averaged into the summary when a policy reports them (Completion.kv_stats)

@@ -22,13 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import accuracy_cells as accuracy
 from harness import accuracy_report
-from harness import uncertainty as unc
 from harness.accuracy_report import AccuracyData
 from harness.cake_report import AblationReport, matches, retention_columns
-from harness.grid import variant, with_task_params
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError, validate
-from harness.summary import Summary, cell_envs
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import Summary, cell_envs
+from harness.running.grid import variant, with_task_params
+from harness.running.params import AccuracyParams
+from harness.running.runner import GridCell, UserError, validate
 from systems.policies import load_policy
 
 

@@ -26,16 +26,16 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from harness import params as params_lib
-from harness import plots
-from harness.assets import model_dir as resolve_model_dir
-from harness.cells import cell_config, run_cell, stored_metrics
+from harness.integrations.assets import model_dir as resolve_model_dir
 from harness.microbench import bench_point
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, UserError, apply_budget, load_group
-from harness.schema import SystemConfig
-from harness.summary import Summary, cell_envs, print_paths
+from harness.reporting import plots
+from harness.reporting.summary import Summary, cell_envs, print_paths
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell, stored_metrics
+from harness.running.params import GridParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell, UserError, apply_budget, load_group
+from harness.running.schema import SystemConfig
 from systems.hardware import resolve_dtype
 from systems.registry import SystemConfigError, check_system, policy_class
 

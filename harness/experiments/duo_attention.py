@@ -29,17 +29,17 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from harness import params as params_lib
-from harness.cells import cell_config, run_cell
 from harness.duo_gates import NATO as NATO  # the `x as x` imports are re-exports: tests read them from this module
 from harness.duo_gates import build_pool, train_gates
 from harness.duo_gates import lr_factor as lr_factor
 from harness.duo_gates import sample_ids as sample_ids
 from harness.duo_gates import streaming_mask as streaming_mask
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, print_paths
+from harness.reporting.summary import Summary, print_paths
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell
+from harness.running.params import GridParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell, UserError
 from systems.policy_support import profiles
 from tasks import ruler_data
 
@@ -76,7 +76,7 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
                         "would still see the needles")
     from transformers import AutoTokenizer
 
-    from harness.assets import model_dir as resolve_model_dir
+    from harness.integrations.assets import model_dir as resolve_model_dir
     from systems.engine.models.llama import LlamaModel
 
     model_dir = resolve_model_dir(cfg.model.path)
@@ -110,8 +110,8 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
 def summarize(cfg: DictConfig, cells: list, out_dir: Path, same_code: bool = True) -> dict[str, str]:
     """Rebuild the summary (and the profile file beside it; with ship=true also the shipped LServe profile) from the
     trained gates on disk."""
-    from harness.assets import model_dir as resolve_model_dir
-    from harness.cells import stored_metrics
+    from harness.integrations.assets import model_dir as resolve_model_dir
+    from harness.running.cells import stored_metrics
     from systems.engine.models.llama import ModelSpec
 
     p = dataclasses.asdict(params_lib.parse(cfg, Params))
@@ -137,7 +137,7 @@ def _finish(cfg, metrics: dict, p: dict, out_dir: Path, spec) -> dict:
 
 
 def write_summary(cfg, metrics: dict, p: dict, out_dir: Path) -> dict[str, str]:
-    from harness import plots
+    from harness.reporting import plots
     from systems.policies.lserve import streaming_split
 
     gates = torch.tensor(metrics["gates"])

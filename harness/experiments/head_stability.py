@@ -16,15 +16,17 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from harness import params as params_lib
-from harness import plots, report, stability
+from harness import stability
 from harness.accuracy_cells import Workspace, prepare_cell
-from harness.cells import cell_config, run_cell, stored_metrics
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, UserError
-from harness.store import atomic_write_json
-from harness.summary import Summary, cell_envs, print_paths
+from harness.reporting import plots
+from harness.reporting.summary import Summary, cell_envs, print_paths
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell, stored_metrics
+from harness.running.envinfo import command_line
+from harness.running.params import GridParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell, UserError
+from harness.running.store import atomic_write_json
 from systems.base import GenerationRequest
 from systems.policy_support import profiles
 
@@ -68,7 +70,7 @@ def profile_work(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params):
         result = stability.analyse(traces, p, spec.num_layers, spec.num_kv_heads)
         common = {"model": cfg.model.name, "task": cell.task.name, "num_layers": spec.num_layers,
                   "num_kv_heads": spec.num_kv_heads, "page_size": int(cell.system.engine.page_size),
-                  "samples": result["samples"], "decode_steps": p.decode_steps, "made_by": report.command_line(cfg)}
+                  "samples": result["samples"], "decode_steps": p.decode_steps, "made_by": command_line(cfg)}
         flexi = {"kind": "flexicache", **common, "K": p.top_k, "W": p.window,
                  **{key: result[key] for key in ("unstable_heads", "unstable_count", "head_stats", "windows",
                                                  "consensus_recall", "random_baseline", "promoted_share_stable")}}

@@ -17,14 +17,14 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import params as params_lib
 from harness.accuracy_cells import Workspace
-from harness.cells import cell_config, run_cell, stored_metrics
 from harness.experiments.offline_throughput import build_requests, measure
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell
-from harness.summary import Summary, cell_envs, print_paths
+from harness.reporting.summary import Summary, cell_envs, print_paths
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell, stored_metrics
+from harness.running.params import GridParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell
 from systems.base import GenerationRequest
 from systems.hardware import allowed_cpus, cpu_list_text
 

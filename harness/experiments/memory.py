@@ -19,15 +19,15 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import params as params_lib
-from harness import plots
 from harness.accuracy_cells import Workspace
-from harness.cells import cell_config, run_cell, stored_metrics
 from harness.experiments.offline_throughput import build_requests
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs, print_paths
+from harness.reporting import plots
+from harness.reporting.summary import Summary, cell_envs, print_paths
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell, stored_metrics
+from harness.running.params import GridParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell, UserError
 
 MIB = 2 ** 20
 

@@ -6,7 +6,7 @@ cell (for M-RT, the hit rate of the needle placed at that depth). Overall scores
 own version's scoring (tasks.needlebench): v1 = 0.4 S-RT + 0.3 M-RT + 0.3 M-RS of the `score_v1` values, v2 = the
 plain mean of the `score` values; a mode missing from the grid leaves both blank.
 
-exp.params: harness.params.AccuracyParams (budget, reference, fidelity, task_params, ...).
+exp.params: harness.running.params.AccuracyParams (budget, reference, fidelity, task_params, ...).
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from typing import Any
 from omegaconf import DictConfig
 
 from harness import accuracy_cells as accuracy
-from harness import accuracy_report, plots
-from harness import uncertainty as unc
+from harness import accuracy_report
 from harness.accuracy_report import AccuracyData
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
-from harness.uncertainty import Estimate
+from harness.reporting import plots
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import Summary, cell_envs
+from harness.reporting.uncertainty import Estimate
+from harness.running.params import AccuracyParams
+from harness.running.runner import GridCell, UserError
 
 MODES = ("srt", "mrt", "mrs")
 LABELS = {"srt": "S-RT", "mrt": "M-RT", "mrs": "M-RS"}

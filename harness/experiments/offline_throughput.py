@@ -13,16 +13,16 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from harness import params as params_lib
-from harness import plots
 from harness.accuracy_cells import Workspace
-from harness.assets import essay_files
-from harness.cells import cell_config, run_cell, stored_metrics
-from harness.cpu_usage import CpuMeter
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell
-from harness.summary import Summary, cell_envs, print_paths
+from harness.integrations.assets import essay_files
+from harness.measuring.cpu_usage import CpuMeter
+from harness.reporting import plots
+from harness.reporting.summary import Summary, cell_envs, print_paths
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell, stored_metrics
+from harness.running.params import GridParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell
 from systems.base import GenerationRequest
 
 

@@ -1,6 +1,6 @@
 """Online sweep: each system behind its HTTP server, streamed requests at a list of arrival rates (FlexiCache F6).
 
-Per system one server is started (harness.servers: the engine's, or `vllm serve`) and kept for all its rates. Per
+Per system one server is started (harness.measuring.servers: the engine's, or `vllm serve`) and kept for all its rates. Per
 rate the same prompts (distinct essay windows, exact token counts sent as token ids, EOS ignored) arrive by the
 configured process (harness/loadgen.py) and are measured as `vllm bench serve` measures them (harness/stats.py).
 Each rate is bounded by `num_prompts` and `max_seconds` and written as one JSON file, so a rerun resumes at the
@@ -15,16 +15,17 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig
 
-from harness import params as params_lib
-from harness import plots, report
-from harness.assets import model_dir as resolve_model_dir
-from harness.cells import check_fits, stored_metrics
-from harness.loadgen import PROCESSES, arrival_times
+from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.measuring.loadgen import PROCESSES, arrival_times
+from harness.measuring.serving_stats import parse_goodput
 from harness.online_cells import essay_windows, key_of, sweep_system
-from harness.params import GridParams
-from harness.runner import GridCell, UserError
-from harness.stats import parse_goodput
-from harness.summary import Summary, cell_envs, print_paths
+from harness.reporting import plots
+from harness.reporting.summary import Summary, cell_envs, print_paths
+from harness.reporting.tables import fmt
+from harness.running import params as params_lib
+from harness.running.cells import check_fits, stored_metrics
+from harness.running.params import GridParams
+from harness.running.runner import GridCell, UserError
 
 STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")]
 CSV_KEYS = ["system", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed", "failed",
@@ -156,8 +157,8 @@ def write_summary(cfg, p: Params, rows: list[dict], envs: list[dict], out_dir: P
     if rows:
         top = max(r["request_rate"] for r in rows)
         summary.glance(f"at {top:g} req/s (the highest rate) mean " + "; ".join(
-            f"`{r['system']}` TPOT {report.fmt(r['mean_tpot_ms'])} ms, TTFT {report.fmt(r['mean_ttft_ms'])} ms (p99 "
-            f"{report.fmt(r['p99_ttft_ms'])}), {r['completed']}/{r['num_prompts']} completed"
+            f"`{r['system']}` TPOT {fmt(r['mean_tpot_ms'])} ms, TTFT {fmt(r['mean_ttft_ms'])} ms (p99 "
+            f"{fmt(r['p99_ttft_ms'])}), {r['completed']}/{r['num_prompts']} completed"
             for r in rows if r["request_rate"] == top) + ".",
             [line] if p.focus and p.versus and (line := focus_line(rows, p.focus, p.versus)) else ())
     arrivals = p.process + (f" (burstiness {p.burstiness:g})" if p.process == "gamma" else "")

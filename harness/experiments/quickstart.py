@@ -15,16 +15,16 @@ from omegaconf import DictConfig
 
 from harness import accuracy_cells as accuracy
 from harness import accuracy_report
-from harness import params as params_lib
 from harness.accuracy_report import AccuracyData
-from harness.cells import cell_config, run_cell
 from harness.experiments.offline_throughput import build_requests, measure
-from harness.params import AccuracyParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, apply_budget, load_group
-from harness.schema import SystemConfig
-from harness.store import CellStore
-from harness.summary import Summary, cell_envs
+from harness.reporting.summary import Summary, cell_envs
+from harness.running import params as params_lib
+from harness.running.cells import cell_config, run_cell
+from harness.running.params import AccuracyParams
+from harness.running.progress import RunProgress
+from harness.running.runner import GridCell, apply_budget, load_group
+from harness.running.schema import SystemConfig
+from harness.running.store import CellStore
 from systems.base import GenerationRequest
 
 REFERENCE = "engine-dense"

@@ -23,13 +23,14 @@ import numpy as np
 from omegaconf import DictConfig
 
 from harness import accuracy_cells as accuracy
-from harness import accuracy_report, plots
-from harness import uncertainty as unc
+from harness import accuracy_report
 from harness.accuracy_report import AccuracyData
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
-from harness.uncertainty import Estimate
+from harness.reporting import plots
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import Summary, cell_envs
+from harness.reporting.uncertainty import Estimate
+from harness.running.params import AccuracyParams
+from harness.running.runner import GridCell, UserError
 
 SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 

@@ -1,10 +1,10 @@
 """lm-evaluation-harness adapter: any lm-eval task under any kvharness system and KV policy.
 
     lm_eval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
-    python -m harness.lmeval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
+    python -m harness.integrations.lmeval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
 
 `lm_eval` finds `kvharness` through the start-up hook `make setup` installs (harness/lmeval_hook.py: lm-eval 0.4 reads
-no entry points); `python -m harness.lmeval` imports the adapter and hands its command line to lm-eval's own CLI
+no entry points); `python -m harness.integrations.lmeval` imports the adapter and hands its command line to lm-eval's own CLI
 (programmatic use: `lm_eval.simple_evaluate(model=KVHarnessLM(...))`). The results' config records the system, its
 policy parameters and the KV mode of each request kind.
 
@@ -28,10 +28,10 @@ from typing import Any
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from harness.assets import model_dir as resolve_model_dir
-from harness.prompts import truncate_middle
-from harness.runner import apply_budget, load_group
-from harness.schema import ModelConfig, SystemConfig
+from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.running.prompts import truncate_middle
+from harness.running.runner import apply_budget, load_group
+from harness.running.schema import ModelConfig, SystemConfig
 from systems.base import GenerationRequest
 from systems.registry import build_system
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = {"exp": "experiments (+exp=NAME)", "system": "systems (system=NAME, exp.systems=[...])",
           "task": "tasks (task=NAME, exp.tasks=[...])", "model": "models (model=NAME)"}
 

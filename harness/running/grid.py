@@ -9,8 +9,8 @@ import copy
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.runner import CONF_DIR, GridCell, UserError, cell_key, load_group, validate
-from harness.schema import SystemConfig, TaskConfig
+from harness.running.runner import CONF_DIR, GridCell, UserError, cell_key, load_group, validate
+from harness.running.schema import SystemConfig, TaskConfig
 from systems.registry import policy_class
 
 

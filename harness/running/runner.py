@@ -14,12 +14,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from harness.assets import AssetError
-from harness.schema import SystemConfig, TaskConfig
+from harness.integrations.assets import AssetError
+from harness.running.schema import SystemConfig, TaskConfig
 from systems.registry import SystemConfigError, check_dims, check_system, policy_class
 from tasks.base import TaskError, load_task
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 class UserError(Exception):
@@ -190,14 +190,14 @@ def check_budget(system: DictConfig, model: DictConfig) -> None:
 def experiment_module(kind: str):
     """harness.experiments.<kind>, or a one-line error listing the kinds."""
     if not kind.isidentifier() or importlib.util.find_spec(f"harness.experiments.{kind}") is None:
-        kinds = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("[a-z]*.py"))
+        kinds = sorted(p.stem for p in (Path(__file__).parents[1] / "experiments").glob("[a-z]*.py"))
         raise UserError(f"unknown exp.kind {kind!r}; choose one of {kinds} (harness/experiments/)")
     return importlib.import_module(f"harness.experiments.{kind}")
 
 
 def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
     """Everything checkable without loading a model, so a typo costs a second, not an hour."""
-    from harness import params
+    from harness.running import params
 
     check_no_extra_keys(cfg)
     check_dtype(cfg)
@@ -207,7 +207,7 @@ def validate(cfg: DictConfig, cells: list[GridCell]) -> None:
         raise UserError(str(exc)) from None
     if not cells:
         raise UserError("the experiment has no cells: set exp.systems and exp.tasks")
-    from harness.assets import known_model_dir
+    from harness.integrations.assets import known_model_dir
 
     model_folder = known_model_dir(cfg.model.path)      # dims without preparing: a missing model is checked later
     for cell in cells:

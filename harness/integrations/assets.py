@@ -1,6 +1,6 @@
 """Embedded assets: SmolLM2 GGUF -> verified safetensors checkpoint in a cache folder, and the essay haystack.
 
-Usage: `python -m harness.assets prepare` (idempotent; run by `make setup`), `python -m harness.assets path`.
+Usage: `python -m harness.integrations.assets prepare` (idempotent; run by `make setup`), `python -m harness.integrations.assets path`.
 The cache folder is `$KVHARNESS_CACHE` or `~/.cache/kvharness`. A checkpoint counts only when its
 `verified.json` matches the files on disk (sizes and sha256), so a partial or corrupted cache is rebuilt.
 """
@@ -172,7 +172,7 @@ def main(argv: list[str]) -> int:
         elif cmd == "path":
             print(cache_root() / MODEL_NAME)
         else:
-            print("usage: python -m harness.assets [prepare|path]", file=sys.stderr)
+            print("usage: python -m harness.integrations.assets [prepare|path]", file=sys.stderr)
             return 2
     except AssetError as exc:
         print(f"error: {exc}", file=sys.stderr)

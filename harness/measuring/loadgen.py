@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.stats import RequestOutput
+from harness.measuring.serving_stats import RequestOutput
 
 PROCESSES = ("poisson", "gamma", "constant")
 
