@@ -263,7 +263,7 @@ def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m systems.server", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True,
-                   help="local HF safetensors folder (`python -m harness.serve` defaults it to the embedded SmolLM2)")
+                   help="local HF safetensors folder (`python -m harness.integrations.serve` defaults it to the embedded SmolLM2)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
     p.add_argument("--policy", default="dense", help="module name in systems/policies")
     p.add_argument("--params", default="{}", help="policy hyperparameters as JSON, e.g. '{\"budget\": 512}'")
@@ -273,9 +273,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which the server answers 503")
     p.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503")
+    p.add_argument("--engine", default="{}", help="the engine config (systems/engine/config.py) as one JSON object, "
+                                                  "e.g. '{\"page_size\": 16, \"device_memory_gb\": 2}'")
     for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
-        p.add_argument(f"--{flag}", type=kind, help="engine setting (default: the engine's)")
+        p.add_argument(f"--{flag}", type=kind, help="engine setting, over --engine (default: the engine's)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole in its own step instead of in chunks beside the decodes")
     return p
@@ -283,8 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from types import SimpleNamespace
-
+    from systems.engine.config import EngineConfig
     from systems.registry import SystemConfigError, check_policy
 
     try:
@@ -309,11 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"error: --model {args.model} has no config.json; pass a local HF safetensors folder", file=sys.stderr)
         return 2
-    engine_cfg = SimpleNamespace(**{k: v for k, v in (
-        ("page_size", args.page_size), ("device_memory_gb", args.device_memory_gb),
-        ("host_memory_gb", args.host_memory_gb), ("max_num_seqs", args.max_num_seqs),
-        ("max_num_batched_tokens", args.max_num_batched_tokens), ("threads", args.threads),
-        ("chunked_prefill", False if args.no_chunked_prefill else None)) if v is not None})
+    try:
+        engine_cfg = EngineConfig.coerce({**json.loads(args.engine), **{k: v for k, v in (
+            ("page_size", args.page_size), ("device_memory_gb", args.device_memory_gb),
+            ("host_memory_gb", args.host_memory_gb), ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens), ("threads", args.threads),
+            ("chunked_prefill", False if args.no_chunked_prefill else None)) if v is not None}})
+    except (ValueError, TypeError) as exc:
+        print(f"error: --engine: {exc}", file=sys.stderr)
+        return 2
     name = args.served_model_name or Path(args.model).resolve().name
     system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype,
                           name=f"engine-{args.policy}", max_model_len=args.max_model_len)

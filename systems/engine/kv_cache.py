@@ -10,6 +10,7 @@ import torch
 
 from systems.engine.block_pool import BlockPool
 from systems.engine.ops import load_ops
+from systems.policies.base import block_bytes
 
 GIB = 1 << 30
 ZEROED_POOL_BYTES = 256 << 20
@@ -32,7 +33,7 @@ class TieredKVCache:
         self.max_pages = -(-max_model_len // page_size)
         self.ops = ops or load_ops(self.device)
         elem = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = 2 * page_size * head_dim * elem          # K and V of one page of one KV head
+        self.bytes_per_block = block_bytes(page_size, head_dim, elem)   # K and V of one page of one KV head
         cuda = self.device.type == "cuda"
         n_dev = int(device_memory_gb * GIB) // self.bytes_per_block + 1
         n_host = int(host_memory_gb * GIB) // self.bytes_per_block + 1

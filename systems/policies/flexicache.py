@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo, block_bytes
 from systems.policy_support import profiles, selection
 
 
@@ -41,6 +41,9 @@ class FlexiCache(Policy):
     naive: bool = False               # rerank every head every step
 
     name = "flexicache"
+    profile_schema = ("model", "task", "K", "W", "page_size", "num_layers", "num_kv_heads", "unstable_heads",
+                      "head_stats")
+    profiler = "head_stability"
 
     @classmethod
     def with_heldout_task(cls, params: dict[str, Any], task: str) -> dict[str, Any]:
@@ -83,7 +86,7 @@ class FlexiCache(Policy):
         super().bind(kv)
         self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
         elem = kv.k_pool.element_size()
-        self.bytes_per_block = 2 * kv.page_size * kv.head_dim * elem
+        self.bytes_per_block = block_bytes(kv.page_size, kv.head_dim, elem)
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
         self._stats: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, tuple] = {}
@@ -94,7 +97,7 @@ class FlexiCache(Policy):
             return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
         path = self._profile_path
         assert path is not None                    # set whenever unstable_heads is not given
-        prof = profiles.load_profile(path, "flexicache")
+        prof = profiles.load_profile(path, "flexicache", self.profile_schema)
         if (prof["num_layers"], prof["num_kv_heads"]) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"flexicache profile {path} is for {prof['num_layers']} layers x {prof['num_kv_heads']} "
                              f"KV heads, the model has {kv.num_layers} x {kv.num_kv_heads}; profile this model")
