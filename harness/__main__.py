@@ -29,7 +29,7 @@ def precheck(argv: list[str]) -> None:
     """Compose the command line once before Hydra runs, so a typo or a wrong type exits with one line."""
     from hydra import compose, initialize_config_dir
 
-    from harness.running.runner import CONF_DIR, check_no_extra_keys
+    from harness.running.config import CONF_DIR, check_no_extra_keys
 
     if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
         return  # sweeps, --help, --cfg: each job is still validated by the runner before any work
@@ -46,7 +46,8 @@ def precheck(argv: list[str]) -> None:
 # an absolute folder: the `kvharness` console script has no package-relative path to conf/
 @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.running.runner import UserError, run
+    from harness.running.config import UserError
+    from harness.running.driver import run
 
     try:
         run(cfg)

@@ -27,7 +27,7 @@ SRT = "needlebench_srt:{lengths:[300],depths:[10,50,90],max_new_tokens:4,repeats
 # exp name -> overrides (beside TOY, model.path and results_dir); `None` as the exp runs the default `accuracy` kind
 KINDS: dict[str, list[str]] = {
     "accuracy": ["system=dense", "task=needlebench_srt", "task.params.lengths=[300]", "task.params.depths=[10,90]",
-                 "task.params.max_new_tokens=4"],
+                 "task.params.max_new_tokens=4", "+exp.params.reference=engine-dense"],
     "accuracy_retention": ["exp.systems=[dense,snapkv,h2o,tova]", "exp.tasks=[needlebench_srt]",
                            "exp.params.budget=64", f"exp.params.task_params={{{SRT}}}"],
     "budget_sweep": ["exp.systems=[dense,quest,streaming]", "exp.tasks=[needlebench_srt]", "exp.params.budgets=[32,64]",

@@ -4,7 +4,8 @@ import csv
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.running.runner import CONF_DIR, UserError, run
+from harness.running.config import CONF_DIR, UserError
+from harness.running.driver import run
 from harness.running.schema import register
 
 register()  # the structured config schema `python -m harness` registers on import
@@ -53,7 +54,7 @@ def test_accuracy_retention_sweeps_budgets(tiny_llama_dir, tmp_path):
 
 
 def test_budget_and_budgets_together_is_a_one_line_error(tiny_llama_dir, tmp_path):
-    from harness.running.runner import UserError
+    from harness.running.config import UserError
     with pytest.raises((UserError, SystemExit), match="budget"):
         _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]", "exp.tasks=[needlebench_srt]",
              "+exp.params.budgets=[32]", "exp.params.budget=64", f"exp.params.task_params={{{SRT}}}")

@@ -70,7 +70,8 @@ def test_memory_analytic_counts():
 
 
 def test_variant_names_every_difference():
-    from harness.running.runner import GridCell, load_group
+    from harness.running.config import load_group
+    from harness.running.grid import GridCell
     from harness.running.schema import SystemConfig, TaskConfig
     s, t = load_group("system", "cake", SystemConfig), load_group("task", "needlebench_srt", TaskConfig)
     v = grid_lib.variant(GridCell(s, t, "x"), system_params={"allocation": "uniform"}, task_params={"lengths": [300]})
@@ -91,7 +92,8 @@ def test_plots_write_png(tmp_path):
 
 
 def test_task_params_must_name_known_tasks():
-    from harness.running.runner import GridCell, UserError, load_group
+    from harness.running.config import UserError, load_group
+    from harness.running.grid import GridCell
     from harness.running.schema import SystemConfig, TaskConfig
     cell = GridCell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
     ok = OmegaConf.create({"exp": {"params": {"task_params": {"recall": {"repeats": 2}}}}})
@@ -139,7 +141,9 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
     import numpy as np
 
     from harness.experiments import ruler
-    from harness.running.params import AccuracyParams
+    from harness.experiments.accuracy.params import AccuracyParams
+    from harness.running.experiment import Run
+    from harness.running.workspace import Workspace
     rng = np.random.default_rng(3)
     cells, rows_by_cell = [], {}
     for i, (system, keep) in enumerate((("engine-dense", 1.0), ("engine-a", 0.7), ("engine-b", 0.3))):
@@ -151,7 +155,8 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
             for t in ("niah_single_1", "vt", "cwe") for L in (1024, 2048) for j in range(12)]
     cfg = OmegaConf.create({"exp": {"name": "ruler", "systems": ["dense", "a", "b"]}, "model": {"dtype": "float32"}})
     p = AccuracyParams(reference="engine-dense")
-    paths = ruler.write_summary(cfg, p, cells, [c.system.name for c in cells], [], rows_by_cell, tmp_path)
+    run = Run(cfg, p, [], tmp_path, Workspace(cfg))
+    paths = ruler.write_summary(run, cells, [c.system.name for c in cells], [], rows_by_cell)
     md = open(paths["md"]).read()
     rows = list(csv_lib.DictReader(open(paths["csv"])))
     for system in ("engine-dense", "engine-a"):

@@ -101,8 +101,9 @@ def test_loglikelihood_runs_under_the_policy(tiny_llama_dir):
 
 @pytest.mark.parametrize("entry", ["lm_eval", pytest.param("harness.integrations.lmeval", marks=pytest.mark.slow)])
 def test_real_cli_runs_an_engine_policy(entry, tiny_llama_dir, tmp_path):
-    """lm-eval's own CLI (`lm_eval`, found through the hook `make setup` installs) and `python -m harness.integrations.lmeval`
-    run a local task YAML under an engine policy with lm-eval's standard arguments; the results record the KV mode."""
+    """lm-eval's own CLI (`lm_eval`, found through the hook `make setup` installs) and `python -m
+    harness.integrations.lmeval` run a local task YAML under an engine policy with lm-eval's standard arguments; the
+    results record the KV mode."""
     import os
     import subprocess
     import sys
@@ -114,7 +115,8 @@ def test_real_cli_runs_an_engine_policy(entry, tiny_llama_dir, tmp_path):
     bin_dir = Path(sys.executable).parent
     if entry == "lm_eval":
         site = [p for p in map(Path, __import__("site").getsitepackages()) if (p / lmeval_hook.PTH_NAME).is_file()]
-        assert site, "the lm-eval hook is not installed: run `make setup` (or python -m harness.integrations.lmeval_hook)"
+        assert site, ("the lm-eval hook is not installed: run `make setup` (or python -m "
+                      "harness.integrations.lmeval_hook)")
         cmd = [str(bin_dir / "lm_eval"), "run"]
     else:
         cmd = [sys.executable, "-m", "harness.integrations.lmeval", "run"]

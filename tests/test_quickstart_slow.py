@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.running.runner import CONF_DIR, run
+from harness.running.config import CONF_DIR
+from harness.running.driver import run
 from harness.running.schema import register
 
 pytestmark = pytest.mark.slow

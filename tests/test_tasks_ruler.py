@@ -163,7 +163,8 @@ def test_bad_params_fail_in_one_line():
 def test_dense_smollm2_finds_single_needles_at_1k(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from harness.running.runner import CONF_DIR, run
+    from harness.running.config import CONF_DIR
+    from harness.running.driver import run
     from harness.running.schema import register
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):

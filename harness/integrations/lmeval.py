@@ -29,8 +29,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.running.config import load_group
+from harness.running.grid import apply_budget
 from harness.running.prompts import truncate_middle
-from harness.running.runner import apply_budget, load_group
 from harness.running.schema import ModelConfig, SystemConfig
 from systems.base import GenerationRequest
 from systems.registry import build_system

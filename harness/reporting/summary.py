@@ -32,6 +32,7 @@ class Summary:
         self.csv_rows: list[dict] = []
         self.paths: dict[str, str] = {}
         self.cost: str | None = None
+        self.notes: list[str] = []
 
     def glance(self, text: str, bullets: Sequence[str] = ()) -> Summary:
         self.glance_text = "**At a glance:** " + text + ("\n\n" + "\n".join(f"- {b}" for b in bullets)
@@ -77,6 +78,11 @@ class Summary:
         self.csv_rows += list(rows)
         return self
 
+    def note(self, text: str) -> Summary:
+        """A paragraph placed after the sections, before the footer (e.g. systems a shared budget left out)."""
+        self.notes.append(text)
+        return self
+
     def took(self, seconds: float | None, what: str = "") -> Summary:
         """State the run's cost (wall time of its cells, all sessions together)."""
         if seconds is not None and math.isfinite(seconds) and seconds > 0:
@@ -96,7 +102,8 @@ class Summary:
 
     def render(self) -> str:
         head = [f"# {self.title}", ""] + ([self.glance_text, ""] if self.glance_text else [])
-        return "\n".join(head + self.parts + self.footer())
+        notes = [line for text in self.notes for line in (text, "")]
+        return "\n".join(head + self.parts + notes + self.footer())
 
     def write(self, out_dir: Path) -> dict[str, str]:
         out_dir = Path(out_dir)

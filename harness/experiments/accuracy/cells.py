@@ -1,94 +1,38 @@
-"""Accuracy cells: render a task's samples, generate with a system, score, measure fidelity, append to the store.
+"""The work of one accuracy cell: render a task's samples, generate, score, measure fidelity, append rows.
 
-The one cell loop of the accuracy kinds (harness/experiments/): every accuracy experiment (accuracy,
-accuracy_retention, needlebench, cake_ablation, quickstart, ruler, budget_sweep) runs its cells through `run_cells`.
-Reference cells run first, because each policy cell compares its distributions with the reference's on the same
-samples (harness.measuring.fidelity). Engine cells decode batch-invariantly
-(SYSTEM_DEFAULTS): a sample's tokens do not depend on which other samples share its batch, so a comparison is never
-decided by how requests happened to be batched.
+Every accuracy kind runs its cells through `run_accuracy_cell`, resumable sample by sample (a crash or the end of a
+session loses at most the chunk in flight). Reference cells run first, because each policy cell compares its
+distributions with the reference's on the same samples (harness.measuring.fidelity). Summaries read the rows back
+with `collect`.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import accuracy_report
-from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.experiments.accuracy.params import FIDELITY_DEFAULTS
 from harness.measuring import fidelity
-from harness.reporting.summary import print_paths
 from harness.running import cells as cells_on_disk
-from harness.running import grid as grid_lib
-from harness.running import params as params_lib
-from harness.running.envinfo import env_record
-from harness.running.params import AccuracyParams
-from harness.running.progress import RunProgress
-from harness.running.prompts import render_all
-from harness.running.runner import GridCell, UserError, dump_yaml
+from harness.running.config import UserError
+from harness.running.experiment import Run
+from harness.running.grid import GridCell
 from harness.running.store import CellStore
 from systems.base import GenerationRequest
-from systems.registry import build_system
-from tasks.base import load_task
-
-# merged into every engine system of an accuracy experiment before its cell keys are made (overridable)
-SYSTEM_DEFAULTS = {"engine": {"batch_invariant": True}}
-FIDELITY_DEFAULTS = {"steps": 64, "gold": True}
+from systems.registry import backend_of
 
 
-class Workspace:
-    """What cells of one run share: the model folder, its tokenizer, and one live system at a time."""
+@dataclass
+class AccuracyItem:
+    """What an accuracy cell runs: its grid cell, its label in the summary, and its fidelity role (None: off)."""
 
-    def __init__(self, cfg: DictConfig):
-        from transformers import AutoTokenizer
-
-        self.cfg = cfg
-        self.model_dir = resolve_model_dir(cfg.model.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self._system, self._system_key = None, None
-        self._prepared: dict[str, tuple] = {}
-
-    def task(self, cfg: DictConfig, task_cfg: DictConfig):
-        """(task, samples, prompts) of a task config, built once per run: every system sees the same samples."""
-        key = OmegaConf.to_yaml(task_cfg)
-        if key not in self._prepared:
-            task = load_task(task_cfg.family, task_cfg.name, OmegaConf.to_container(task_cfg.params), seed=cfg.seed,
-                             limit=task_cfg.limit, fraction=task_cfg.fraction)
-            longest = task.longest_prompt_tokens()     # before building hours of 128k prompts, not after
-            if longest is not None and longest > cfg.model.max_input_tokens:
-                raise UserError(f"task {task_cfg.name} builds prompts of up to {longest} tokens > model."
-                                f"max_input_tokens={cfg.model.max_input_tokens}: raise model.max_input_tokens (and "
-                                "model.max_model_len above it) or drop the longest task.params.lengths")
-            samples = task.samples(self.tokenizer)
-            prompts = render_all(samples, self.tokenizer, cfg.model.max_input_tokens, cfg.model.max_model_len)
-            self._prepared[key] = (task, samples, prompts)
-        return self._prepared[key]
-
-    def check_fits(self, system_cfg: DictConfig, prompt_len: int, new_tokens: int) -> None:
-        """Fail before any weights load when the system's device pool cannot hold one request of this size."""
-        cells_on_disk.check_fits(self.cfg, self.model_dir, system_cfg, prompt_len, new_tokens)
-
-    def system(self, system_cfg: DictConfig):
-        key = OmegaConf.to_yaml(system_cfg)
-        if key != self._system_key:
-            self.close()
-            self._system = build_system(system_cfg, self.model_dir, self.cfg.model)
-            self._system_key = key
-        return self._system
-
-    def close(self) -> None:
-        if self._system is not None:
-            self._system.close()
-        self._system, self._system_key = None, None
-
-
-def prepare_cell(cfg: DictConfig, cell: GridCell, ws: Workspace):
-    task, samples, prompts = ws.task(cfg, cell.task)
-    if prompts:
-        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
-        ws.check_fits(cell.system, len(prompts[longest]), samples[longest].max_new_tokens)
-    return task, samples, prompts
+    grid: GridCell
+    label: str
+    plan: fidelity.FidelityPlan | None
 
 
 def fidelity_settings(cfg: DictConfig) -> dict | None:
@@ -103,26 +47,29 @@ def fidelity_settings(cfg: DictConfig) -> dict | None:
     return {**FIDELITY_DEFAULTS, **(extra or {})}
 
 
-def cell_yaml(cfg: DictConfig, cell: GridCell) -> str:
+def cell_config(cfg: DictConfig, cell: GridCell) -> DictConfig:
     """The cell's resolved config plus its fidelity settings: another setting reruns the cell."""
     node = cell.resolved(cfg)
     node["fidelity"] = fidelity_settings(cfg)
-    return dump_yaml(node)
+    return node
 
 
 def fidelity_plans(cfg: DictConfig, cells: list[GridCell], labels: list[str], reference: str | None, out_dir: Path
                    ) -> list[fidelity.FidelityPlan | None]:
     """Per cell: the reference role, the policy role against the reference cell of the same task, or None (no
-    reference cell for the task, fidelity off, or the reference is a system without teacher forcing)."""
+    reference cell for the task, fidelity off, or a system on either side that cannot decode under teacher
+    forcing)."""
     settings = fidelity_settings(cfg)
     if settings is None or reference is None:
         return [None] * len(cells)
-    task_key = lambda c: OmegaConf.to_yaml(c.task)  # noqa: E731
+
+    def task_key(c: GridCell) -> str:
+        return OmegaConf.to_yaml(c.task)
     ref_cells = {task_key(c): c for c, label in zip(cells, labels) if label == reference}
     plans: list[fidelity.FidelityPlan | None] = []
     for cell, label in zip(cells, labels):
         ref = ref_cells.get(task_key(cell))
-        if ref is None or ref.system.backend == "vllm" or cell.system.backend == "vllm":
+        if ref is None or not backend_of(ref.system).forced_decoding or not backend_of(cell.system).forced_decoding:
             plans.append(None)
             continue
         role = "reference" if label == reference else "policy"
@@ -131,24 +78,24 @@ def fidelity_plans(cfg: DictConfig, cells: list[GridCell], labels: list[str], re
     return plans
 
 
-def run_cell(cfg: DictConfig, cell: GridCell, out_dir: Path, ws: Workspace, progress: RunProgress,
-             prepared=None, plan: fidelity.FidelityPlan | None = None) -> dict:
-    store = CellStore(out_dir / cell.key)
-    task, samples, prompts = prepared or prepare_cell(cfg, cell, ws)
-    store.open(cell_yaml(cfg, cell), env_record(cfg.seed))
+def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> dict:
+    """Generate, score and measure the samples not on disk yet, in chunks of the system's batch size; the metrics
+    of the whole cell from its rows."""
+    cfg, ws, grid = run.cfg, run.workspace, item.grid
+    task, samples, prompts = ws.task(grid.task)
     done = store.done_ids()
     todo = [(s, p) for s, p in zip(samples, prompts) if s.id not in done]
-    progress.start_cell(f"{cell.system.name} × {cell.task.name}", len(samples) - len(todo), len(samples))
     gen_seconds = fid_seconds = 0.0
     memory = None
+    plan = item.plan
     if todo:
-        system = ws.system(cell.system)
+        system = ws.system(grid.system, grid.policy)
         system.reset_stats()
         if plan is not None and not fidelity.supports_forcing(system):
             plan = None
         if plan is not None and plan.role == "policy":
             plan.reference_rows = fidelity.reference_rows_of(CellStore(plan.reference_dir).rows())
-        batch = cell.system.batch_size
+        batch = grid.system.batch_size
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
@@ -173,80 +120,36 @@ def run_cell(cfg: DictConfig, cell: GridCell, out_dir: Path, ws: Workspace, prog
                              "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
                              "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **share, **f})
             store.append(rows)
-            progress.advance(len(rows))
+            run.advance(len(rows))
         memory = system.memory_report().as_dict()
-    progress.end_cell()
     rows = store.rows()
     order = {s.id: i for i, s in enumerate(samples)}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
     previous = store.metrics() if (store.root / "metrics.json").is_file() else {}
     timed = all("generation_s" in r for r in rows)  # rows stored before rows carried their time do not
-    metrics = {"system": cell.system.name, "task": cell.task.name, "summary": task.summarize(rows),
-               "n": len(rows), "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in rows),
-               "generation_seconds": sum(r["generation_s"] for r in rows) if timed
-               else previous.get("generation_seconds", 0.0) + gen_seconds,
-               "fidelity_seconds": sum(r.get("fidelity_s", 0.0) for r in rows) if timed
-               else previous.get("fidelity_seconds", 0.0) + fid_seconds,
-               "memory": memory or previous.get("memory")}
-    store.write_metrics(metrics)
-    return metrics
+    return {"system": grid.system.name, "task": grid.task.name, "summary": task.summarize(rows),
+            "n": len(rows), "prompt_tokens": sum(r.get("prompt_tokens") or 0 for r in rows),
+            "generation_seconds": sum(r["generation_s"] for r in rows) if timed
+            else previous.get("generation_seconds", 0.0) + gen_seconds,
+            "fidelity_seconds": sum(r.get("fidelity_s", 0.0) for r in rows) if timed
+            else previous.get("fidelity_seconds", 0.0) + fid_seconds,
+            "memory": memory or previous.get("memory")}
 
 
-def plan_cells(cfg: DictConfig, cells: list[GridCell], out_dir: Path, ws: Workspace):
-    """Metrics of complete cells, and the pending ones prepared (prompts rendered: bad input fails before any
-    generation) with their count of samples left."""
-    results: list[dict | None] = [None] * len(cells)
-    pending = []
-    for i, cell in enumerate(cells):
-        store = CellStore(out_dir / cell.key)
-        if store.is_complete(cell_yaml(cfg, cell)):
-            results[i] = store.metrics()
-        else:
-            prepared = prepare_cell(cfg, cell, ws)
-            left = len({s.id for s in prepared[1]} - store.done_ids())
-            pending.append((i, cell, prepared, left))
-    return results, pending
+Found = tuple[list[Any], list[str], list[dict], dict[str, list[dict]]]
 
 
-def execute_cells(cfg, cells, results, pending, out_dir: Path, ws: Workspace, progress: RunProgress,
-                  plans: list | None = None) -> list[dict]:
-    plans = plans or [None] * len(cells)
-    for i, cell in enumerate(cells):
-        if results[i] is not None:
-            progress.skip_cell(f"{cell.system.name} × {cell.task.name}")
-    # reference cells first: every policy cell of the same task reads the reference's distributions
-    for i, cell, prepared, _ in sorted(pending, key=lambda p: (plans[p[0]] is None or plans[p[0]].role != "reference",
-                                                                p[0])):
-        results[i] = run_cell(cfg, cell, out_dir, ws, progress, prepared, plans[i])
-    return results
-
-
-def run_cells(cfg: DictConfig, cells: list[GridCell], out_dir: Path, labels: list[str] | None = None,
-              reference: str | None = None) -> list[dict]:
-    """Run every cell (skipping complete ones) with one progress display; returns each cell's metrics."""
-    labels = labels or [c.system.name for c in cells]
-    plans = fidelity_plans(cfg, cells, labels, reference, out_dir)
-    ws = Workspace(cfg)
-    try:
-        results, pending = plan_cells(cfg, cells, out_dir, ws)
-        progress = RunProgress(len(cells), sum(p[3] for p in pending), enabled=cfg.progress)
-        try:
-            return execute_cells(cfg, cells, results, pending, out_dir, ws, progress, plans)
-        finally:
-            progress.close()
-    finally:
-        ws.close()
-
-
-def collect(cfg: DictConfig, cells: list, labels: list[str], out_dir: Path, same_code: bool = True,
-            label_of=None) -> tuple[list, list[str], list[dict], dict[str, list[dict]]]:
+def collect(run: Run[Any], cells: list[GridCell], labels: list[str],
+            label_of: Callable[[cells_on_disk.StoredCell], str]) -> Found:
     """The grid's cells that are complete on disk, plus every other finished cell of the folder made with the same
     experiment block (a multirun's other jobs); returns cells, labels, metrics and rows for a summary."""
-    stored = {c.key: c for c in cells_on_disk.finished(out_dir, cells_on_disk.exp_block(cfg), same_code)}
+    out_dir, same_code = run.out_dir, run.same_code
+    stored = {c.key: c for c in cells_on_disk.finished(out_dir, cells_on_disk.exp_block(run.cfg), same_code)}
     if not same_code:      # a report rebuilds from whatever the grid's folders hold, whichever code made them
         stored.update({c.key: c for c in cells_on_disk.finished(out_dir, None, False)
                        if c.key in {g.key for g in cells}})
-    out_cells, out_labels = [], []
+    out_cells: list[Any] = []
+    out_labels: list[str] = []
     for cell, label in zip(cells, labels):
         if cell.key in stored:
             out_cells.append(cell)
@@ -254,38 +157,7 @@ def collect(cfg: DictConfig, cells: list, labels: list[str], out_dir: Path, same
     for key, c in stored.items():
         if key not in {x.key for x in cells} and c.config.get("task"):
             out_cells.append(c)
-            out_labels.append(label_of(c) if label_of else c.system.name)
+            out_labels.append(label_of(c))
     metrics = [{**stored[c.key].metrics, "_env": stored[c.key].env} for c in out_cells]   # _env: for provenance
     rows = {c.key: stored[c.key].rows() for c in out_cells}
     return out_cells, out_labels, metrics, rows
-
-
-def reference_of(p, labels: list[str]) -> str | None:
-    return p.reference or accuracy_report.reference_label(None, labels)
-
-
-def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
-    """The kind's cells and labels: per-task params, then one cell per budget when exp.params.budgets is set."""
-    cells = grid_lib.with_task_params(cfg, cells, p.task_params)
-    return grid_lib.by_budget(cfg, cells, p.budgets, p.budget)
-
-
-def run_kind(module, cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    """Run an accuracy kind: its grid, every cell (reference first), then its summary from the cells on disk."""
-    p = params_lib.parse(cfg, module.Params)
-    cells, labels = module.grid(cfg, cells, p)
-    metrics = run_cells(cfg, cells, out_dir, labels, reference_of(p, labels))
-    summarize_kind(module, cfg, cells, out_dir, p=p, grid_done=(cells, labels))
-    return metrics
-
-
-def summarize_kind(module, cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True, p=None,
-                   grid_done=None) -> dict[str, str]:
-    p = p or params_lib.parse(cfg, module.Params)
-    cells, labels = grid_done or module.grid(cfg, cells, p)
-    found = collect(cfg, cells, labels, out_dir, same_code, getattr(module, "label_of", None))
-    if not found[0]:
-        raise UserError(f"no finished cells of {cfg.exp.name} under {out_dir}: run the experiment first")
-    paths = module.write_summary(cfg, p, *found, out_dir)
-    print_paths(paths)
-    return paths

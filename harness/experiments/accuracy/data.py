@@ -1,8 +1,8 @@
 """Accuracy numbers with their uncertainty, from per-sample rows: scores, retention, fidelity, paired comparisons.
 
 Every accuracy experiment reports through `AccuracyData` (one object per summary), so each number carries its n and
-a 95 % bootstrap interval (harness.reporting.uncertainty) and two systems are ranked only where the paired interval of their
-difference excludes 0. Definitions:
+a 95 % bootstrap interval (harness.reporting.uncertainty) and two systems are ranked only where the paired interval
+of their difference excludes 0. Definitions:
 
 - task unit: a task, or each part its benchmark reports one number for (the task's `unit_key`: LongBench's
   datasets, L-Eval's tasks, RULER's lengths); averages give every unit the same weight, as the papers do.
@@ -12,8 +12,8 @@ difference excludes 0. Definitions:
   less than `min_reference` above chance is flagged and left out of averages: its ratio is noise.
 - macro retention: the mean of per-unit retentions (FlexiCache's average); ratio of means: mean score ÷ mean
   reference score over the same units (CAKE's).
-- fidelity (harness.measuring.fidelity): top-1 agreement and KL(reference ‖ policy) per sample, averaged over all samples
-  (each sample weighs the same); Δ gold log-likelihood: policy − reference, paired per sample.
+- fidelity (harness.measuring.fidelity): top-1 agreement and KL(reference ‖ policy) per sample, averaged over all
+  samples (each sample weighs the same); Δ gold log-likelihood: policy − reference, paired per sample.
 - device KV: resident device pages × page size at the end of a request, per layer and KV head (the budget a policy
   really keeps; retrieval policies keep everything and spend their budget on reads).
 """
@@ -32,14 +32,6 @@ from tasks.base import task_class
 
 MIN_REFERENCE = 5.0
 FIDELITY = {"fid_top1": "top-1 agreement", "fid_kl": "KL(ref ‖ policy) nats"}
-
-
-def reference_label(cfg, labels: Sequence[str]) -> str | None:
-    """exp.params.reference, else engine-dense when it is in the grid, else None (no retention)."""
-    ref = cfg.exp.params.get("reference") if cfg is not None else None
-    if ref:
-        return ref
-    return "engine-dense" if "engine-dense" in labels else None
 
 
 def unit_names(task: str, rows: Sequence[dict], key: str | None) -> dict[str, str]:
@@ -320,104 +312,3 @@ def same_budget(labels: Sequence[str]) -> dict[str, list[str]]:
 
 def csv_estimate(e: Estimate, name: str) -> dict[str, Any]:
     return {name: e.value, f"{name}_ci_low": e.low, f"{name}_ci_high": e.high, f"{name}_n": e.n}
-
-
-# ---- the standard accuracy sections every accuracy summary shows ---------------------------------------------------
-CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
-             "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
-             "pair by retention (and, with fidelity, the CSV's PAIRWISE_TOP1 rows by top-1 agreement).")
-
-DEFINITIONS = (
-    "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
-    "(reference − chance) on the samples both systems ran, its interval from a paired bootstrap (samples resampled "
-    "jointly for both systems; 10,000 resamples, seed 0); the macro retention averages task units and resamples "
-    "within each. `>` in a ranking means the paired interval of the two systems' difference excludes 0, `≈` that "
-    "this n cannot order them. Fidelity is teacher-forced on the reference's greedy output: top-1 agreement is, per "
-    "sample, the share of positions where the policy's own next token equals the reference's, KL is KL(reference ‖ "
-    "policy) over the full vocabulary in nats per position, both averaged over samples; Δ gold log-lik is log "
-    "p(gold answer | prompt) under the policy minus under the reference (nats, tasks with one gold answer). Device "
-    "KV is what a policy keeps on the device at the end of a request (resident pages × page size, tokens per layer "
-    "and KV head); retrieval policies keep the whole cache and spend their budget on the pages each step reads.")
-
-
-def standard_sections(summary, data: AccuracyData, reference: str | None, out_dir, *,
-                      units: Sequence[str] | None = None, plot_name: str = "retention.png",
-                      per_unit: bool = True, pairwise_groups: dict[str, Sequence[str]] | None = None) -> None:
-    """Averages, the per-unit table (in the CSV only when not `per_unit`), the pairwise comparisons and the
-    retention / fidelity figures. `pairwise_groups` ({title: systems}) compares systems only within each group
-    (e.g. policies at the same budget) instead of every pair."""
-    from harness.reporting import plots
-
-    units = list(units or data.units)
-    if reference is not None and reference in data.systems:
-        md, csv = data.average_table(reference, units)
-        summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
-        summary.csv(csv)
-    md, csv = data.unit_table(reference if reference in data.systems else None, units)
-    if per_unit:
-        summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
-    summary.csv(csv)
-    flagged = data.flagged(reference) if reference in data.systems else []
-    if flagged:
-        summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
-                     "out of every average.")
-    groups = pairwise_groups if pairwise_groups is not None else {"": [s for s in data.systems if s != reference]}
-    for title, systems in groups.items() if reference in data.systems else ():
-        md, csv = data.pairwise_table(reference, units, systems)
-        if md:
-            summary.section("Pairwise: difference in macro retention" + (f" ({title})" if title else "")).table(
-                AccuracyData.PAIRWISE_HEADER, md)
-        summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
-        if data.has("fid_top1"):
-            summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
-                         for r in data.fidelity_pairwise("fid_top1", reference, systems, units)])
-    summary.text(DEFINITIONS)
-    others = [s for s in data.systems if s != reference]
-    if reference in data.systems and others and per_unit:
-        use = [u for u in units if u not in flagged] or units
-        series = {u: [data.retention(s, u, reference).value for s in others] for u in use}
-        errors = {u: [(e.low, e.high) for e in (data.retention(s, u, reference) for s in others)] for u in use}
-        summary.image("png_retention", plots.bar_plot(
-            out_dir / plot_name, others, series, errors=errors, colour_by="group", reference=1.0,
-            reference_label=f"{reference} (= 1)", xlabel="system", ylabel=f"retention vs {reference} (95 % CI)",
-            title=f"Accuracy retention per task unit (n per unit: "
-                  f"{', '.join(str(data.n(reference, u)) for u in use)})"), "retention")
-    if reference in data.systems and others and data.has("fid_top1"):
-        top1 = [data.fidelity(s, "fid_top1", units) for s in others]
-        kl = [data.fidelity(s, "fid_kl", units) for s in others]
-        summary.image("png_fidelity", plots.bar_plot(
-            out_dir / plot_name.replace("retention", "fidelity"), others,
-            {"top-1 agreement": [e.value for e in top1], "KL (nats)": [e.value for e in kl]},
-            errors={"top-1 agreement": [(e.low, e.high) for e in top1], "KL (nats)": [(e.low, e.high) for e in kl]},
-            notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
-            ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
-            title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
-
-
-def cells_seconds(metrics: list[dict]) -> float:
-    """Wall seconds the cells spent generating and teacher-forcing, all sessions together."""
-    return sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics)
-
-
-def write_cells_summary(cfg, p, cells, labels, metrics: list[dict], rows_by_cell: dict[str, list[dict]],
-                        out_dir) -> dict:
-    """The `accuracy` kind: any grid of cells, with retention and fidelity against a reference when there is one."""
-    from harness.reporting.summary import Summary, cell_envs
-
-    reference = p.reference or reference_label(None, labels)
-    data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
-    summary = Summary(cfg, envs=cell_envs(metrics))
-    if reference in data.systems and len(data.systems) > 1:
-        summary.glance(f"macro retention vs `{reference}`: {data.ranking(reference)}.")
-    else:
-        summary.glance(", ".join(f"{s} × {u}: {data.score(s, u).fmt(1)}" for u in data.units for s in data.systems
-                                 if data.n(s, u)) + " (score 0–100, 95 % CI).")
-    standard_sections(summary, data, reference, out_dir)
-    from harness.reporting import tables
-    for cell, m in zip(cells, metrics):
-        grid = tables.length_depth_table(rows_by_cell.get(cell.key, []))
-        if grid:
-            summary.section(f"{m['system']} × {m['task']}: score by context length (tokens) × needle depth (%)")
-            summary.text(grid)
-    summary.took(cells_seconds(metrics))
-    return summary.write(out_dir)

@@ -13,46 +13,25 @@ Every study runs at every budget of `budgets` (tokens per layer, window included
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
+import dataclasses
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import accuracy_cells as accuracy
-from harness import accuracy_report
-from harness.accuracy_report import AccuracyData
-from harness.cake_report import AblationReport, matches, retention_columns
+from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy.data import AccuracyData
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.experiments.cake_ablation.params import Params
+from harness.experiments.cake_ablation.report import AblationReport, matches, retention_columns
 from harness.reporting import uncertainty as unc
-from harness.reporting.summary import Summary, cell_envs
-from harness.running.grid import variant, with_task_params
-from harness.running.params import AccuracyParams
-from harness.running.runner import GridCell, UserError, validate
-from systems.policies import load_policy
+from harness.reporting.summary import cell_envs
+from harness.running.config import UserError
+from harness.running.experiment import Run
+from harness.running.grid import GridCell, validate_cells, variant, with_task_params
+from systems.policies import load_policy, policy_class
 
-
-@dataclass
-class Base:
-    allocation: str = "preference"
-    indicator: str = "mean_plus_var"
-
-
-@dataclass
-class Params(AccuracyParams):
-    budgets: list[int] = field(default_factory=lambda: [128])     # CAKE cache_size points (not a budget sweep)
-    allocations: list[str] = field(default_factory=lambda: ["preference", "uniform", "pyramid", "random"])
-    indicators: list[str] = field(default_factory=lambda: ["mean_plus_var", "mean", "var", "mean_times_var"])
-    full_grid: bool = False
-    tau1s: list[float] = field(default_factory=list)
-    tau2s: list[float] = field(default_factory=list)
-    base: Base = field(default_factory=Base)
-    template_params: dict[str, Any] = field(default_factory=dict)
-
-
-SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
+ABLATED = {"budget", "allocation", "indicator", "tau1", "tau2"}     # the template policy's knobs the points set
 _matches = matches              # tests read it from this module
-_TAGS: dict[str, dict] = {}     # cell key -> its ablation point, filled by grid() for the summary
 
 
 def points(p: Params) -> list[dict]:
@@ -81,14 +60,22 @@ def _default_taus(cell: GridCell, point: dict) -> tuple[float, float]:
     return tuple(float(t) for t in load_policy(cell.system.policy, params).taus)
 
 
-def expand(cfg: DictConfig, cells: list[GridCell], p: Params) -> tuple[list[GridCell], list[dict]]:
-    """Reference cells as they are, plus one cell per (CAKE template cell, ablation point); validated."""
-    templates = [c for c in cells if c.system.policy == "cake"]
+def is_template(cell: GridCell) -> bool:
+    """A system whose policy has every knob the ablation turns (CAKE's) is a template of the ablation points."""
+    cls = policy_class(cell.system.policy)
+    return cls is not None and ABLATED <= {f.name for f in dataclasses.fields(cls)}
+
+
+def expand(cfg: DictConfig, cells: list[GridCell], p: Params) -> list[GridCell]:
+    """Reference cells as they are, plus one cell per (template cell, ablation point), each tagged with its point;
+    validated."""
+    templates = [c for c in cells if is_template(c)]
     if not templates:
-        raise UserError("cake_ablation needs a CAKE system in exp.systems (e.g. cake) as the template")
+        raise UserError(f"cake_ablation needs a system whose policy has the knobs {sorted(ABLATED)} (e.g. cake) in "
+                        "exp.systems, as the template")
     out_cells, tags = [], []
     for c in cells:
-        if c.system.policy != "cake":
+        if not is_template(c):
             out_cells.append(c)
             tags.append({"study": "reference", "budget": None})
     seen = set()
@@ -108,8 +95,10 @@ def expand(cfg: DictConfig, cells: list[GridCell], p: Params) -> tuple[list[Grid
             seen.add(v.key)
             out_cells.append(v)
             tags.append(tag)
-    validate(cfg, out_cells)
-    return out_cells, tags
+    validate_cells(cfg, out_cells)
+    for cell, tag in zip(out_cells, tags):
+        cell.tag = tag
+    return out_cells
 
 
 def label(tag: dict, system: str) -> str:
@@ -120,31 +109,32 @@ def label(tag: dict, system: str) -> str:
     return f"{system}@{tag['budget']} {tag['allocation']}+{tag['indicator']}{taus}"
 
 
-def grid(cfg: DictConfig, cells: list[GridCell], p: Params) -> tuple[list[GridCell], list[str]]:
-    if not p.budgets:
-        raise UserError("exp.params.budgets must list at least one CAKE budget (tokens per layer)")
-    cells, tags = expand(cfg, with_task_params(cfg, cells, p.task_params), p)
-    _TAGS.update({c.key: t for c, t in zip(cells, tags)})
-    return cells, [label(t, c.system.name) for c, t in zip(cells, tags)]
+class CakeAblation(AccuracyExperiment[Params]):
+    Params = Params
+
+    def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
+        p = run.params
+        if not p.budgets:
+            raise UserError("exp.params.budgets must list at least one CAKE budget (tokens per layer)")
+        cells = expand(run.cfg, with_task_params(run.cfg, run.grid, p.task_params), p)
+        return cells, [label(c.tag, c.system.name) for c in cells]
+
+    def write_summary(self, run: Run[Params], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        return write_summary(run, cells, labels, metrics, rows_by_cell)
 
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
-
-
-def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
-    reference = accuracy.reference_of(p, labels) or labels[0]
+def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics: list[dict],
+                  rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
+    reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     unit = data.units[0] if len(data.units) == 1 else None
-    tags = [_TAGS.get(c.key, {"study": "other"}) for c in cells]
+    tags = [getattr(c, "tag", None) or {"study": "other"} for c in cells]    # other: a multirun job's cell
     points = [{**t, "label": lab} for t, lab in zip(tags, labels) if t["study"] not in ("reference", "other")]
     budgets = [int(b) for b in p.budgets]
     ref_score = data.score(reference, unit) if unit else unc.NAN
-    summary = Summary(cfg, envs=cell_envs(metrics))
+    summary = run.summary(envs=cell_envs(metrics))
     # points are compared at equal budget: a pair across budgets says nothing about allocation or indicator
     at_budget = {f"budget {b}": [pt["label"] for pt in points if int(pt["budget"]) == b] for b in budgets}
     at_budget = {t: g for t, g in at_budget.items() if g}
@@ -155,7 +145,7 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
     if data.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: "
                        f"{data.fidelity_ranking('fid_top1', reference, [pt['label'] for pt in points])}")
-    summary.glance(accuracy_report.CHAIN_KEY, bullets)
+    summary.glance(CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason)
     report = AblationReport(p, data, reference, points, summary, out_dir)
     if p.full_grid:
@@ -167,12 +157,15 @@ def write_summary(cfg, p: Params, cells, labels, metrics, rows_by_cell, out_dir:
     if p.tau1s and p.tau2s:
         for b in budgets:
             report.taus(b)
-    accuracy_report.standard_sections(summary, data, reference, out_dir, plot_name="retention_all.png",
+    standard_sections(summary, data, reference, out_dir, plot_name="retention_all.png",
                                       pairwise_groups=same_budget if len(same_budget) > 1 else None)
     summary.text("Budgets are CAKE's cache_size: average tokens per layer and KV head, window included.")
     summary.csv([{**{k: pt.get(k) for k in ("study", "budget", "allocation", "indicator", "tau1", "tau2")},
                   "system": pt["label"], "task": "POINT", **retention_columns(report.retention(pt["label"]))}
                  for pt in points])
-    summary.took(accuracy_report.cells_seconds(metrics),
+    summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
+
+
+EXPERIMENT = CakeAblation()

@@ -3,15 +3,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from harness.accuracy_report import AccuracyData
+from harness.experiments.accuracy.data import AccuracyData
+from harness.experiments.cake_ablation.params import Params
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
 from harness.reporting.summary import Summary
-
-if TYPE_CHECKING:
-    from harness.experiments.cake_ablation import Params
 
 
 def matches(row: dict, study: str, want: dict) -> bool:

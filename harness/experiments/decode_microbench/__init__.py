@@ -19,49 +19,32 @@ import copy
 import json
 import logging
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.experiments.decode_microbench.bench import bench_point
+from harness.experiments.decode_microbench.params import Params
 from harness.integrations.assets import model_dir as resolve_model_dir
-from harness.microbench import bench_point
 from harness.reporting import plots
-from harness.reporting.summary import Summary, cell_envs, print_paths
-from harness.running import params as params_lib
-from harness.running.cells import cell_config, run_cell, stored_metrics
-from harness.running.params import GridParams
-from harness.running.progress import RunProgress
-from harness.running.runner import GridCell, UserError, apply_budget, load_group
+from harness.reporting.summary import cell_envs
+from harness.running.cells import cell_config
+from harness.running.config import UserError, load_group
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.grid import GridCell, apply_budget
 from harness.running.schema import SystemConfig
+from harness.running.store import CellStore
 from systems.hardware import resolve_dtype
-from systems.registry import SystemConfigError, check_system, policy_class
+from systems.policies import policy_class
+from systems.registry import SystemConfigError, backend_of, check_system
 
 log = logging.getLogger("kvharness")
-
-
-@dataclass
-class Params(GridParams):
-    systems: list[str] = field(default_factory=list)   # conf/system names; empty = those of exp.systems
-    context: int = 8192
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
-    steps: int = 32
-    warmup: int = 4
-    layer: int = 2                      # first benchmarked layer (past Quest's dense layers)
-    layers: int = 8                     # distinct layers per step: their KV outgrows the last-level cache
-    query_noise: float = 0.1
-    device: str = "auto"
-    seed: int = 0
-    reference: Optional[str] = None     # ratios are to this system; None = the first with the dense policy
-    pairs: list[list[str]] = field(default_factory=list)   # [a, b] system pairs: the glance line states time a ÷ b
-    num_q_heads: Optional[int] = None   # attention shape; all three set: no model folder is read
-    num_kv_heads: Optional[int] = None
-    head_dim: Optional[int] = None
+KEY = "points"      # one cell holds every point of one run, so the ratios always come from one run
 
 
 def model_dims(cfg: DictConfig, p: Params) -> dict[str, int]:
+    """The attention shape: exp.params when all three are set (no model folder read), else the model's config."""
     if p.num_q_heads and p.num_kv_heads and p.head_dim:
         return {"num_q_heads": p.num_q_heads, "num_kv_heads": p.num_kv_heads, "head_dim": p.head_dim}
     conf = json.loads((Path(resolve_model_dir(cfg.model.path)) / "config.json").read_text())
@@ -84,28 +67,40 @@ def bench_systems(cells: list[GridCell], p: Params, num_layers: int, num_kv_head
                         **cls.profile_free_params(num_layers, num_kv_heads)}
         check_system(s)
         out.append(s)
-    bad = [s.name for s in out if s.backend != "engine"]
+    bad = [s.name for s in out if not backend_of(s).runs_policies]
     if bad:
-        raise UserError(f"decode_microbench times the engine's ops and policies; remove {bad} from the systems")
+        raise UserError(f"decode_microbench times the engine's ops and policies; remove {bad} (systems whose backend "
+                        "runs no KV policy) from the systems")
     return out
 
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    p = params_lib.parse(cfg, Params)
-    if p.steps < 1 or p.context < 16 or not p.batch_sizes or min(p.batch_sizes) < 1:
-        raise UserError("exp.params needs steps >= 1, context >= 16 and positive batch_sizes")
-    if any(len(pair) != 2 for pair in p.pairs):
-        raise UserError("exp.params.pairs lists [a, b] system-name pairs (time a ÷ b), "
-                        "e.g. [[engine-quest, engine-dense]]")
-    dims = model_dims(cfg, p)
-    try:
-        systems = bench_systems(cells, p, p.layer + p.layers, dims["num_kv_heads"])
-    except SystemConfigError as exc:
-        raise UserError(str(exc)) from None
-    device = torch.device(p.device if p.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(cfg.model.dtype, device)
+class DecodeMicrobench(Experiment[Params]):
+    Params = Params
 
-    def work(store) -> dict:
+    def check(self, run: Run[Params]) -> None:
+        p = run.params
+        if p.steps < 1 or p.context < 16 or not p.batch_sizes or min(p.batch_sizes) < 1:
+            raise UserError("exp.params needs steps >= 1, context >= 16 and positive batch_sizes")
+        if any(len(pair) != 2 for pair in p.pairs):
+            raise UserError("exp.params.pairs lists [a, b] system-name pairs (time a ÷ b), "
+                            "e.g. [[engine-quest, engine-dense]]")
+
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        p = run.params
+        dims = model_dims(run.cfg, p)
+        try:
+            systems = bench_systems(run.grid, p, p.layer + p.layers, dims["num_kv_heads"])
+        except SystemConfigError as exc:
+            raise UserError(str(exc)) from None
+        run.extra_systems = systems
+        points = len(systems) * len(p.batch_sizes)
+        return [Cell(key=KEY, config=cell_config(run.cfg, systems=systems), label=f"decode microbenchmark ({points} "
+                     "points)", units=points, item=(systems, dims))]
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        p, (systems, dims) = run.params, cell.item
+        device = torch.device(p.device if p.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(run.cfg.model.dtype, device)
         results = []
         for system in systems:
             for batch in p.batch_sizes:
@@ -113,38 +108,26 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
                 log.info("%s batch %d: %.2f ms/step (select %.2f, attention %.2f, after_append %.2f)", r["system"],
                          batch, r["total_ms"], r["select_ms"], r["attention_ms"], r["after_append_ms"])
                 results.append(r)
+                run.advance(1)
         return {"points": results}
 
-    # one cell holds every point of one run, so the ratios always come from one run
-    points = len(systems) * len(p.batch_sizes)
-    progress = RunProgress(1, points, enabled=cfg.progress)
-    try:
-        metrics = run_cell(cfg, "points", cell_config(cfg, systems=systems), out_dir, work, progress,
-                           f"decode microbenchmark ({points} points)", points)
-    finally:
-        progress.close()
-    summarize(cfg, cells, out_dir)
-    return metrics["points"]
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    stored = stored_metrics(out_dir, "points")
-    if stored is None:
-        raise UserError(f"no measured points under {out_dir}: run the experiment first")
-    paths = write_summary(cfg, stored["points"], params_lib.parse(cfg, Params), cell_envs([stored]), out_dir)
-    print_paths(paths)
-    return paths
+    def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
+        stored = run.stored(KEY)
+        if stored is None:
+            raise UserError(f"no measured points under {run.out_dir}: run the experiment first")
+        return write_summary(run, stored["points"], cell_envs([stored]))
 
 
 def _ratio(a: float | None, b: float | None) -> float:
     return a / b if a and b else math.nan
 
 
-def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir: Path) -> dict[str, str]:
+def write_summary(run: Run[Params], results: list[dict], envs: list[dict]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
     systems = list(dict.fromkeys(r["system"] for r in results))
     at = {(r["system"], r["batch"]): r for r in results}
     batches = sorted({r["batch"] for r in results})
-    ref = p.reference or next((s for s in systems if at[(s, batches[0])]["policy"] == "dense"), systems[0])
+    ref = p.reference if p.reference in systems else systems[0]
     big = batches[-1]
     glance = f"per-layer decode attention at {p.context} tokens, batch {big}: " + ", ".join(
         f"{ref} ÷ {s} = {_ratio(at[(ref, big)]['total_ms'], at[(s, big)]['total_ms']):.2f}×"
@@ -152,7 +135,7 @@ def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir
     for a, b in p.pairs:
         if (a, big) in at and (b, big) in at:
             glance += f"; {a} ÷ {b} = {_ratio(at[(a, big)]['total_ms'], at[(b, big)]['total_ms']):.2f}×"
-    summary = Summary(cfg, envs=envs)
+    summary = run.summary(envs=envs)
     summary.glance(glance + " (one run, ratios > 1 = faster than the reference).")
     summary.table(["system", "granularity", "batch", "select ms", "attention ms", "after_append ms", "total ms",
                    f"{ref} ÷ system", "pages read / KV head", "H2D KiB / step", "cores busy", "busy threads"],
@@ -183,3 +166,6 @@ def write_summary(cfg, results: list[dict], p: Params, envs: list[dict], out_dir
          if s != ref}, "batch size (sequences)", f"speedup over {ref} (×)", "Decode attention speedup over dense",
         logx=True, hline=1.0), "speedup vs batch")
     return summary.write(out_dir)
+
+
+EXPERIMENT = DecodeMicrobench()

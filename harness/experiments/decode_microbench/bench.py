@@ -2,20 +2,18 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness.experiments.decode_microbench.params import Params
 from harness.measuring.cpu_usage import CpuMeter
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.ops import load_ops
 from systems.policies import load_policy
 from systems.policies.base import SeqInfo
-
-if TYPE_CHECKING:
-    from harness.experiments.decode_microbench import Params
 
 GIB = 1 << 30
 

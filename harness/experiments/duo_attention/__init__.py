@@ -23,25 +23,26 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from harness.duo_gates import NATO as NATO  # the `x as x` imports are re-exports: tests read them from this module
-from harness.duo_gates import build_pool, train_gates
-from harness.duo_gates import lr_factor as lr_factor
-from harness.duo_gates import sample_ids as sample_ids
-from harness.duo_gates import streaming_mask as streaming_mask
-from harness.reporting.summary import Summary, print_paths
-from harness.running import params as params_lib
-from harness.running.cells import cell_config, run_cell
+from harness.experiments.duo_attention.gates import NATO as NATO  # re-exports: tests read them from this module
+from harness.experiments.duo_attention.gates import build_pool, train_gates
+from harness.experiments.duo_attention.gates import lr_factor as lr_factor
+from harness.experiments.duo_attention.gates import sample_ids as sample_ids
+from harness.experiments.duo_attention.gates import streaming_mask as streaming_mask
+from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.reporting import plots
+from harness.running.cells import cell_config
+from harness.running.config import UserError
+from harness.running.experiment import Cell, Experiment, Run
 from harness.running.params import GridParams
-from harness.running.progress import RunProgress
-from harness.running.runner import GridCell, UserError
+from harness.running.store import CellStore
+from systems.policies import policy_class
 from systems.policy_support import profiles
 from tasks import ruler_data
+
+POLICY = "lserve"       # the policy whose streaming heads the gates choose (its profile_schema checks the file)
 
 
 @dataclass
@@ -68,23 +69,30 @@ TRAINING = ("steps", "lr", "reg_weight", "sink_tokens", "recent_tokens", "contex
 DEFAULTS = {k: getattr(Params(), k) for k in TRAINING}
 
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    params = params_lib.parse(cfg, Params)
-    p = dataclasses.asdict(params)
-    if p["context_min"] <= p["sink_tokens"] + p["recent_tokens"]:
-        raise UserError("exp.params.context_min must exceed sink_tokens + recent_tokens: the streaming branch "
-                        "would still see the needles")
-    from transformers import AutoTokenizer
+def cell_key(run: Run[Params]) -> str:
+    return f"duo_gates__{run.cfg.model.name}__steps{run.params.steps}"
 
-    from harness.integrations.assets import model_dir as resolve_model_dir
-    from systems.engine.models.llama import LlamaModel
 
-    model_dir = resolve_model_dir(cfg.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = LlamaModel(model_dir, torch.float32, torch.device("cpu"), autograd=True)    # gates learn through it
-    spec = model.spec
+class DuoAttention(Experiment[Params]):
+    Params = Params
 
-    def work(store) -> dict:
+    def check(self, run: Run[Params]) -> None:
+        p = run.params
+        if p.context_min <= p.sink_tokens + p.recent_tokens:
+            raise UserError("exp.params.context_min must exceed sink_tokens + recent_tokens: the streaming branch "
+                            "would still see the needles")
+
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        p = dataclasses.asdict(run.params)
+        return [Cell(key=cell_key(run), config=cell_config(run.cfg, gates={k: p[k] for k in TRAINING}),
+                     label=f"gate training ({p['steps']} steps)", units=p["steps"])]
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        from systems.engine.models.llama import LlamaModel
+
+        p = dataclasses.asdict(run.params)
+        tokenizer = run.workspace.tokenizer
+        model = LlamaModel(run.workspace.model_dir, torch.float32, torch.device("cpu"), autograd=True)   # gates learn
         rng = random.Random(p["seed"])
         haystack = tokenizer.encode(" ".join(ruler_data.essay_words()), add_special_tokens=False)
         lengths = [int(p["context_min"] + i * (p["context_max"] - p["context_min"]) / max(1, p["lengths"] - 1))
@@ -97,54 +105,39 @@ def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
                 "train_seconds": time.perf_counter() - started - teacher_s, "lengths": lengths,
                 "sample_tokens": [len(x) for x, *_ in pool]}
 
-    config = cell_config(cfg, gates={k: p[k] for k in TRAINING})
-    progress = RunProgress(1, p["steps"], enabled=cfg.progress)
-    try:
-        metrics = run_cell(cfg, f"duo_gates__{cfg.model.name}__steps{p['steps']}", config, out_dir, work, progress,
-                           f"gate training ({p['steps']} steps)", p["steps"])
-    finally:
-        progress.close()
-    return _finish(cfg, metrics, p, out_dir, spec)
+    def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
+        """The summary and the profile file beside it (with ship=true also the shipped LServe profile), from the
+        trained gates on disk."""
+        from systems.engine.models.llama import ModelSpec
+
+        p = dataclasses.asdict(run.params)
+        metrics = run.stored(cell_key(run))
+        if metrics is None:
+            raise UserError(f"no trained gates under {run.out_dir}: run +exp=duo_attention first")
+        spec = ModelSpec.from_dir(resolve_model_dir(run.cfg.model.path))
+        profile = {"kind": POLICY, "model": run.cfg.model.name, "task": p["profile_task"],
+                   "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_scores": metrics["gates"],
+                   "proxy": "DuoAttention gates: per KV head, the learned weight of full over streaming attention "
+                            f"(sink {p['sink_tokens']} + recent {p['recent_tokens']}); high = retrieval head",
+                   "training": {k: p[k] for k in TRAINING},
+                   "train_seconds": metrics["train_seconds"], "teacher_seconds": metrics["teacher_seconds"]}
+        schema = policy_class(POLICY).profile_schema       # type: ignore[union-attr]
+        profiles.save_profile(run.out_dir / "profile_lserve.json", profile, schema)
+        if p["ship"]:
+            profiles.save_profile(profiles.profile_path(POLICY, run.cfg.model.name, p["profile_task"]), profile,
+                                  schema)
+        return write_summary(run, metrics, p)
 
 
-def summarize(cfg: DictConfig, cells: list, out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    """Rebuild the summary (and the profile file beside it; with ship=true also the shipped LServe profile) from the
-    trained gates on disk."""
-    from harness.integrations.assets import model_dir as resolve_model_dir
-    from harness.running.cells import stored_metrics
-    from systems.engine.models.llama import ModelSpec
-
-    p = dataclasses.asdict(params_lib.parse(cfg, Params))
-    metrics = stored_metrics(out_dir, f"duo_gates__{cfg.model.name}__steps{p['steps']}")
-    if metrics is None:
-        raise UserError(f"no trained gates under {out_dir}: run +exp=duo_attention first")
-    return _finish(cfg, metrics, p, out_dir, ModelSpec.from_dir(resolve_model_dir(cfg.model.path)))
-
-
-def _finish(cfg, metrics: dict, p: dict, out_dir: Path, spec) -> dict:
-    profile = {"kind": "lserve", "model": cfg.model.name, "task": p["profile_task"],
-               "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_scores": metrics["gates"],
-               "proxy": "DuoAttention gates: per KV head, the learned weight of full over streaming attention "
-                        f"(sink {p['sink_tokens']} + recent {p['recent_tokens']}); high = retrieval head",
-               "training": {k: p[k] for k in TRAINING},
-               "train_seconds": metrics["train_seconds"], "teacher_seconds": metrics["teacher_seconds"]}
-    profiles.save_profile(out_dir / "profile_lserve.json", profile)
-    if p["ship"]:
-        profiles.save_profile(profiles.profile_path("lserve", cfg.model.name, p["profile_task"]), profile)
-    paths = write_summary(cfg, metrics, p, out_dir)
-    print_paths(paths)
-    return metrics
-
-
-def write_summary(cfg, metrics: dict, p: dict, out_dir: Path) -> dict[str, str]:
-    from harness.reporting import plots
+def write_summary(run: Run[Params], metrics: dict, p: dict) -> dict[str, str]:
     from systems.policies.lserve import streaming_split
 
+    out_dir = run.out_dir
     gates = torch.tensor(metrics["gates"])
     streaming = streaming_split(gates, p["sparsity"])
     per_layer = [sum(1 for layer, _ in streaming if layer == i) for i in range(gates.shape[0])]
     hist = metrics["history"]
-    summary = Summary(cfg, envs=[metrics["_env"]] if metrics.get("_env") else None)
+    summary = run.summary(envs=[metrics["_env"]] if metrics.get("_env") else None)
     summary.glance(f"{gates.numel()} gates trained for {p['steps']} steps in {metrics['train_seconds'] / 60:.0f} min "
                    f"(+ {metrics['teacher_seconds'] / 60:.1f} min of teacher states); mean gate "
                    f"{float(gates.mean()):.2f}, {int((gates < 0.01).sum())} below 0.01 and "
@@ -170,3 +163,5 @@ def write_summary(cfg, metrics: dict, p: dict, out_dir: Path) -> dict[str, str]:
     summary.took(metrics["train_seconds"] + metrics["teacher_seconds"], "teacher states + training")
     return summary.write(out_dir)
 
+
+EXPERIMENT = DuoAttention()

@@ -2,33 +2,36 @@
 
 Per task of the grid (the cell's system lends only its engine settings: decoding runs the `topk_trace` policy, which
 is dense), every sample decodes `decode_steps` steps (EOS ignored; the first token comes from prefill) while each
-(layer, KV head)'s top-K page set is recorded; harness.stability turns the traces into the unstable set and the
-statistics. The same pass measures LServe's streaming-head proxy (attention mass outside sink + local window).
-Per cell: the FlexiCache and LServe profile JSONs and metrics.json; with `ship: true` the profiles are also written
+(layer, KV head)'s top-K page set is recorded; analysis.py turns the traces into the unstable set and the
+statistics. The same pass measures LServe's streaming-head proxy (attention mass outside sink + local window). Per
+cell: the FlexiCache and LServe profile JSONs and metrics.json; with `ship: true` the profiles are also written
 to systems/policy_support/profiles/, where the policies find them by (model, task).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from omegaconf import DictConfig
 
-from harness import stability
-from harness.accuracy_cells import Workspace, prepare_cell
+from harness.experiments.head_stability.analysis import analyse, overlap_table
 from harness.reporting import plots
-from harness.reporting.summary import Summary, cell_envs, print_paths
-from harness.running import params as params_lib
-from harness.running.cells import cell_config, run_cell, stored_metrics
+from harness.reporting.summary import cell_envs
+from harness.running.cells import cell_config
+from harness.running.config import UserError
 from harness.running.envinfo import command_line
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.grid import GridCell
 from harness.running.params import GridParams
-from harness.running.progress import RunProgress
-from harness.running.runner import GridCell, UserError
-from harness.running.store import atomic_write_json
+from harness.running.store import CellStore, atomic_write_json
+from harness.running.workspace import Workspace
 from systems.base import GenerationRequest
+from systems.policies import policy_class
 from systems.policy_support import profiles
+from systems.registry import backend_of
+
+TRACER = "topk_trace"       # the dense policy that records each step's top-K page sets
 
 
 @dataclass
@@ -44,17 +47,18 @@ class Params(GridParams):
 
 
 def trace_system(cell: GridCell, p: Params) -> DictConfig:
+    """The cell's system (its backend and engine settings) decoding densely with the tracing policy."""
     sys_cfg = cell.system.copy()
-    sys_cfg.name, sys_cfg.backend, sys_cfg.policy = "engine-topk-trace", "engine", "topk_trace"
+    sys_cfg.name, sys_cfg.policy = "engine-topk-trace", TRACER
     sys_cfg.params = {"top_k": p.top_k, "sink_tokens": p.sink_tokens, "local_tokens": p.local_tokens}
     return sys_cfg
 
 
 def collect(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params) -> list[dict]:
     """Dense decode of every sample with tracing; returns one trace per sample."""
-    _, samples, prompts = prepare_cell(cfg, cell, ws)
+    _, samples, prompts = ws.task(cell.task)
     system = ws.system(trace_system(cell, p))
-    policy, traces, batch = system.engine.policy, [], cell.system.batch_size
+    policy, traces, batch = system.engine.policy, [], cell.system.batch_size     # type: ignore[attr-defined]
     for start in range(0, len(samples), batch):
         chunk = list(zip(samples, prompts))[start:start + batch]
         system.generate([GenerationRequest(request_id=s.id, prompt_token_ids=q, max_new_tokens=p.decode_steps + 1,
@@ -63,63 +67,68 @@ def collect(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params) -> list[d
     return traces
 
 
-def profile_work(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params):
-    def work(store) -> dict:
-        traces = collect(cfg, cell, ws, p)
-        spec = ws.system(trace_system(cell, p)).engine.model.spec
-        result = stability.analyse(traces, p, spec.num_layers, spec.num_kv_heads)
-        common = {"model": cfg.model.name, "task": cell.task.name, "num_layers": spec.num_layers,
-                  "num_kv_heads": spec.num_kv_heads, "page_size": int(cell.system.engine.page_size),
-                  "samples": result["samples"], "decode_steps": p.decode_steps, "made_by": command_line(cfg)}
-        flexi = {"kind": "flexicache", **common, "K": p.top_k, "W": p.window,
-                 **{key: result[key] for key in ("unstable_heads", "unstable_count", "head_stats", "windows",
-                                                 "consensus_recall", "random_baseline", "promoted_share_stable")}}
-        lserve = {"kind": "lserve", **common, "sink_tokens": p.sink_tokens, "local_tokens": p.local_tokens,
-                  "proxy": "per KV head: share of decode softmax mass outside the first sink_tokens and last "
-                           "local_tokens keys (max over the query group, mean over steps with more keys than the "
-                           "window); high = retrieval head", "head_scores": result["outside_mass"]}
-        for prof in (flexi, lserve):
-            profiles.save_profile(store.root / f"profile_{prof['kind']}.json", prof)
-        return {"task": cell.task.name, "system": cell.system.name, "flexicache": flexi, "lserve": lserve,
-                "rco_by_offset": result["rco_by_offset"]}
-    return work
+def save_profile(path: object, profile: dict) -> None:
+    """A profile checked against the schema its policy declares (its `kind` names the policy)."""
+    cls = policy_class(profile["kind"])
+    profiles.save_profile(path, profile, cls.profile_schema if cls is not None else ())   # type: ignore[arg-type]
 
 
-def tasks_of(cells: list[GridCell]) -> list[GridCell]:
-    """One profile per task: the systems only lend their engine settings."""
-    return list({c.task.name: c for c in cells}.values())
+def profile(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params, store: CellStore) -> dict:
+    """The traces of one task turned into FlexiCache's and LServe's profiles, written beside the cell."""
+    traces = collect(cfg, cell, ws, p)
+    spec = ws.system(trace_system(cell, p)).engine.model.spec                    # type: ignore[attr-defined]
+    result = analyse(traces, p, spec.num_layers, spec.num_kv_heads)
+    common = {"model": cfg.model.name, "task": cell.task.name, "num_layers": spec.num_layers,
+              "num_kv_heads": spec.num_kv_heads, "page_size": int(cell.system.engine.page_size),
+              "samples": result["samples"], "decode_steps": p.decode_steps, "made_by": command_line(cfg)}
+    flexi = {"kind": "flexicache", **common, "K": p.top_k, "W": p.window,
+             **{key: result[key] for key in ("unstable_heads", "unstable_count", "head_stats", "windows",
+                                             "consensus_recall", "random_baseline", "promoted_share_stable")}}
+    lserve = {"kind": "lserve", **common, "sink_tokens": p.sink_tokens, "local_tokens": p.local_tokens,
+              "proxy": "per KV head: share of decode softmax mass outside the first sink_tokens and last "
+                       "local_tokens keys (max over the query group, mean over steps with more keys than the "
+                       "window); high = retrieval head", "head_scores": result["outside_mass"]}
+    for prof in (flexi, lserve):
+        save_profile(store.root / f"profile_{prof['kind']}.json", prof)
+    return {"task": cell.task.name, "system": cell.system.name, "flexicache": flexi, "lserve": lserve,
+            "rco_by_offset": result["rco_by_offset"]}
 
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    p = params_lib.parse(cfg, Params)
-    if p.decode_steps < p.window or p.window < 2 or p.top_k < 1:
-        raise UserError("exp.params: need decode_steps >= window >= 2 and top_k >= 1")
-    ws, todo = Workspace(cfg), tasks_of(cells)
-    progress = RunProgress(len(todo), len(todo), enabled=cfg.progress)
-    try:
-        results = [run_cell(cfg, c.key, cell_config(cfg, system=c.system, task=c.task), out_dir,
-                            profile_work(cfg, c, ws, p), progress, f"profile × {c.task.name}") for c in todo]
-    finally:
-        progress.close()
-        ws.close()
-    if p.ship:
-        for m in results:
-            for kind in ("flexicache", "lserve"):
-                profiles.save_profile(profiles.profile_path(kind, cfg.model.name, m["task"]), m[kind])
-    summarize(cfg, cells, out_dir)
-    return results
+class HeadStability(Experiment[Params]):
+    Params = Params
+
+    def check(self, run: Run[Params]) -> None:
+        p = run.params
+        if p.decode_steps < p.window or p.window < 2 or p.top_k < 1:
+            raise UserError("exp.params: need decode_steps >= window >= 2 and top_k >= 1")
+        bad = sorted({c.system.name for c in run.grid if not backend_of(c.system).runs_policies})
+        if bad:
+            raise UserError(f"head_stability traces with a KV policy; remove {bad} (systems whose backend runs no "
+                            "KV policy) from exp.systems")
+
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        """One profile per task: the systems only lend their engine settings."""
+        return [Cell(key=c.key, config=cell_config(run.cfg, system=c.system, task=c.task),
+                     label=f"profile × {c.task.name}", item=c)
+                for c in {c.task.name: c for c in run.grid}.values()]
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        return profile(run.cfg, cell.item, run.workspace, run.params, store)
+
+    def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
+        results = [m for c in cells if (m := run.stored(c.key))]
+        if run.params.ship:       # where the policies find them by (model, task)
+            for m in results:
+                for kind in ("flexicache", "lserve"):
+                    save_profile(profiles.profile_path(kind, run.cfg.model.name, m["task"]), m[kind])
+        atomic_write_json(run.out_dir / "profiles.json",
+                          {m["task"]: m["flexicache"]["unstable_heads"] for m in results})
+        return write_summary(run, results)
 
 
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    results = [m for c in tasks_of(cells) if (m := stored_metrics(out_dir, c.key))]
-    atomic_write_json(out_dir / "profiles.json", {m["task"]: m["flexicache"]["unstable_heads"] for m in results})
-    paths = write_summary(cfg, results, out_dir)
-    print_paths(paths)
-    return paths
-
-
-def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> dict[str, str]:
-    summary = Summary(cfg, envs=cell_envs(results))
+def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
+    out_dir = run.out_dir
+    summary = run.summary(envs=cell_envs(results))
     summary.glance("; ".join(
         f"{m['task']}: {m['flexicache']['unstable_count']} unstable heads, consensus recall "
         f"{m['flexicache']['consensus_recall']:.2f} vs {m['flexicache']['random_baseline']:.2f} random, a stable "
@@ -134,7 +143,7 @@ def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> dict[s
                  "seeded half of the windows; consensus recall is how well that set recalls the other half's "
                  "per-window sets (random = the set's share of all heads).")
     if len(results) > 1:
-        names, matrix = stability.overlap_table({m["task"]: m["flexicache"]["unstable_heads"] for m in results})
+        names, matrix = overlap_table({m["task"]: m["flexicache"]["unstable_heads"] for m in results})
         summary.section("Cross-task overlap of unstable sets |A_i ∩ A_j| / |A|").table(
             ["task", *names], [[n, *row] for n, row in zip(names, matrix)], 2)
     for m in results:
@@ -171,3 +180,6 @@ def write_summary(cfg: DictConfig, results: list[dict], out_dir: Path) -> dict[s
             ylabel="pages promoted per rerank (% of top-K)", title="Host→device traffic per rerank (stable heads)"),
             "promoted share")
     return summary.write(out_dir)
+
+
+EXPERIMENT = HeadStability()

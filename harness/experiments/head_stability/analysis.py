@@ -1,6 +1,6 @@
 """FlexiCache's head-stability analysis of top-K traces: TS windows, the unstable set, RCO by offset, overlaps.
 
-Pure functions over the traces the `topk_trace` policy records (harness/experiments/head_stability.py runs them):
+Pure functions over the traces the `topk_trace` policy records (harness/experiments/head_stability runs them):
 per non-overlapping window of W decode steps a head's TS is the mean random-corrected overlap of its top-K set with
 the window's first set; the unstable set follows FlexiCache's final-set rule (systems.policy_support.selection).
 """

@@ -1,31 +1,27 @@
-"""The online sweep's store-backed cells: per system one server, per arrival rate one stored JSON of measurements."""
+"""The work of one online-sweep cell: one server per system, one stored JSON of measurements per arrival rate."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from harness.experiments.online_sweep.params import Params
+from harness.integrations.assets import essay_files
 from harness.measuring.cpu_usage import CpuMeter
 from harness.measuring.loadgen import Prompt, arrival_times, run_load
-from harness.measuring.servers import start_server, wait_idle
+from harness.measuring.servers import Server, start_server, wait_idle
 from harness.measuring.serving_stats import summarize as serving_stats
-from harness.running.cells import cell_config
-from harness.running.envinfo import env_record
-from harness.running.runner import GridCell, dump_yaml
+from harness.running.experiment import Run
+from harness.running.grid import GridCell
 from harness.running.store import CellStore, atomic_write_json
-
-if TYPE_CHECKING:
-    from harness.experiments.online_sweep import Params
 
 log = logging.getLogger("kvharness")
 
 
 def essay_windows(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
     """`count` windows of essay tokens starting at distinct offsets, so no two prompts share a prefix."""
-    from harness.integrations.assets import essay_files
-
     text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in essay_files())
     base = tokenizer.encode(text, add_special_tokens=False)
     while len(base) <= length:
@@ -36,7 +32,7 @@ def essay_windows(tokenizer, count: int, length: int, seed: int) -> list[list[in
     return [ring[s:s + length] for s in ((seed * 7919 + i * stride) % len(base) for i in range(count))]
 
 
-def run_rate(server, prompts: list[Prompt], rate: float, p: Params, seed: int) -> dict[str, Any]:
+def run_rate(server: Server, prompts: list[Prompt], rate: float, p: Params, seed: int) -> dict[str, Any]:
     arrivals = arrival_times(len(prompts), rate, p.process, p.burstiness, seed)
     outputs, duration = asyncio.run(run_load(
         server.url, server.model, prompts, list(arrivals), max_tokens=p.output_len, endpoint=p.endpoint,
@@ -61,24 +57,27 @@ def key_of(cell: GridCell, p: Params) -> str:
             + f"__{tag}_in{p.input_len}_out{p.output_len}_n{p.num_prompts}")
 
 
-def sweep_system(cfg, cell: GridCell, p: Params, windows, model_dir: Path, out_dir: Path) -> list[dict]:
+def rate_path(store: CellStore, rate: float) -> Path:
+    return store.root / f"rate_{rate:g}.json"
+
+
+def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: CellStore) -> dict:
     """One system's rows: the rates not on disk yet measured behind one server started for them all."""
-    n, store = p.num_prompts, CellStore(out_dir / key_of(cell, p))
-    config = dump_yaml(cell_config(cfg, system=cell.system))
-    store.retire_if_stale(config)                                # rates measured by other code run again
-    todo = [r for r in p.rates if not (store.root / f"rate_{r:g}.json").is_file()]
+    p, cfg, n = run.params, run.cfg, run.params.num_prompts
+    todo = [r for r in p.rates if not rate_path(store, r).is_file()]
     server, rows = None, []
     try:
         if todo:
-            store.open(config, env_record(cfg.seed))
             log.info("%s: starting its server for rates %s", cell.system.name, todo)
-            server = start_server(cell, model_dir, cfg, p, store.root)
+            server = start_server(cell.system, run.workspace.model_dir.resolve(), cfg.model, store.root,
+                                  p.startup_timeout_s, p.max_queue)
             for w in windows[n:]:
                 asyncio.run(run_load(server.url, server.model, [Prompt(w, len(w))], [0.0], max_tokens=4,
                                      max_seconds=float(p.max_seconds)))
         for rate in p.rates:
-            path = store.root / f"rate_{rate:g}.json"
+            path = rate_path(store, rate)
             if rate in todo:
+                assert server is not None
                 wait_idle(server)
                 with CpuMeter(server.process.pid) as meter:      # the server's whole process tree
                     result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
@@ -87,11 +86,11 @@ def sweep_system(cfg, cell: GridCell, p: Params, windows, model_dir: Path, out_d
                 s = result["summary"]
                 log.info("rate %g, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate, cell.system.name,
                          s["completed"], n, s["mean_ttft_ms"], s["mean_tpot_ms"])
+                run.advance(1)
             rows.append({"system": cell.system.name, "request_rate": rate, "burstiness": p.burstiness,
                          "num_prompts": n, "input_len": p.input_len, "output_len": p.output_len,
                          **_with_cpu(json.loads(path.read_text()))})
     finally:
         if server is not None:
             server.close()
-    store.write_metrics({"system": cell.system.name, "rates": p.rates, "rows": rows})
-    return rows
+    return {"system": cell.system.name, "rates": p.rates, "rows": rows}
