@@ -25,7 +25,7 @@ from systems.policies.base import Policy
 BACKENDS: dict[str, type[Backend]] = {b.name: b for b in (HFBackend, EngineBackend, VLLMBackend)}
 
 __all__ = ["BACKENDS", "SystemConfigError", "backend_of", "build_system", "check_capacity", "check_dims",
-           "check_policy", "check_system", "parse_policy", "policy_class", "policy_names"]
+           "check_policy", "check_system", "parse_policy", "policy_backend", "policy_class", "policy_names"]
 
 
 def backend_of(system_cfg: Any) -> type[Backend]:
@@ -35,6 +35,11 @@ def backend_of(system_cfg: Any) -> type[Backend]:
         raise SystemConfigError(f"system {system_cfg.name!r}: unknown backend {system_cfg.backend!r}; "
                                 f"use one of {sorted(BACKENDS)}")
     return backend
+
+
+def policy_backend() -> type[Backend]:
+    """The backend that runs KV policies (a policy named without a system file runs there)."""
+    return next(b for b in BACKENDS.values() if b.runs_policies)
 
 
 def parse_policy(policy: str, params: dict) -> Policy:

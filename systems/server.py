@@ -263,7 +263,7 @@ def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m systems.server", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True,
-                   help="local HF safetensors folder (`python -m harness.integrations.serve` defaults it to the embedded SmolLM2)")
+                   help="local HF safetensors folder (`python -m harness.integrations.serve` gives the embedded one)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
     p.add_argument("--policy", default="dense", help="module name in systems/policies")
     p.add_argument("--params", default="{}", help="policy hyperparameters as JSON, e.g. '{\"budget\": 512}'")

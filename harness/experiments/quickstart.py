@@ -17,10 +17,8 @@ from harness.experiments.accuracy.sections import cells_seconds, standard_sectio
 from harness.measuring.offline import build_requests, measure
 from harness.reporting.summary import cell_envs
 from harness.running.cells import cell_config
-from harness.running.config import load_group
 from harness.running.experiment import Cell, Run
-from harness.running.grid import apply_budget, check_one_system
-from harness.running.schema import SystemConfig
+from harness.running.grid import apply_budget, check_one_system, system_config
 from harness.running.store import CellStore
 from systems.base import GenerationRequest
 
@@ -44,7 +42,7 @@ def throughput_cells(run: Run[Params]) -> list[Cell]:
     cfg, p = run.cfg, run.params
     tp, out = p.throughput, []
     for name in tp.systems:
-        system = load_group("system", name, SystemConfig)
+        system = system_config(name)
         if p.budget is not None:
             apply_budget(system, p.budget)
         system.engine.device_memory_gb = tp.device_memory_gb     # the engines' pools and vLLM's KV cache alike

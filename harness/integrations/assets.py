@@ -1,6 +1,7 @@
 """Embedded assets: SmolLM2 GGUF -> verified safetensors checkpoint in a cache folder, and the essay haystack.
 
-Usage: `python -m harness.integrations.assets prepare` (idempotent; run by `make setup`), `python -m harness.integrations.assets path`.
+Usage: `python -m harness.integrations.assets prepare` (idempotent; run by `make setup`),
+`python -m harness.integrations.assets path`.
 The cache folder is `$KVHARNESS_CACHE` or `~/.cache/kvharness`. A checkpoint counts only when its
 `verified.json` matches the files on disk (sizes and sha256), so a partial or corrupted cache is rebuilt.
 """

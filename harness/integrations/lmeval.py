@@ -3,8 +3,8 @@
     lm_eval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
     python -m harness.integrations.lmeval --model kvharness --model_args system=flexicache,budget=512 --tasks TASK ...
 
-`lm_eval` finds `kvharness` through the start-up hook `make setup` installs (harness/lmeval_hook.py: lm-eval 0.4 reads
-no entry points); `python -m harness.integrations.lmeval` imports the adapter and hands its command line to lm-eval's own CLI
+`lm_eval` finds `kvharness` through the start-up hook `make setup` installs (lmeval_hook.py: lm-eval 0.4 reads no
+entry points); `python -m harness.integrations.lmeval` imports the adapter and hands its command line to lm-eval's CLI
 (programmatic use: `lm_eval.simple_evaluate(model=KVHarnessLM(...))`). The results' config records the system, its
 policy parameters and the KV mode of each request kind.
 

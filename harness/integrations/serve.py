@@ -1,4 +1,4 @@
-"""`python -m harness.integrations.serve [systems.server options]`: the OpenAI-compatible server on the embedded SmolLM2 by default.
+"""`python -m harness.integrations.serve [server options]`: the OpenAI server, on the embedded SmolLM2 by default.
 
 systems.server knows nothing of the harness's model assets, so it needs --model; this wrapper supplies the embedded
 checkpoint (converted on first use) when --model is not given and passes every other option through.

@@ -20,8 +20,8 @@ from harness.running.config import CONF_DIR, UserError, load_group
 from harness.running.schema import SystemConfig, TaskConfig
 from systems.policies import policy_class
 from systems.policies.base import Policy
-from systems.registry import backend_of, check_dims, check_system
-from tasks.base import load_task
+from systems.registry import backend_of, check_dims, check_system, policy_backend
+from tasks.base import TaskError, load_task, task_class
 
 
 @dataclass
@@ -65,10 +65,9 @@ def resolve_cells(cfg: DictConfig, system_defaults: Mapping[str, Any] | None = N
     schema's default, on the settings each system's backend honours; exp.params.system_overrides come after them and
     can set anything."""
     hydra_choice = _hydra_choices()
-    systems = ([(load_group("system", n, SystemConfig), load_group("system", n, SystemConfig))
-                for n in cfg.exp.systems] or
+    systems = ([(system_config(n), system_config(n)) for n in cfg.exp.systems] or
                [(cfg.system, _default_or_self("system", hydra_choice.get("system"), SystemConfig, cfg.system))])
-    tasks = ([(load_group("task", n, TaskConfig), load_group("task", n, TaskConfig)) for n in cfg.exp.tasks] or
+    tasks = ([(task_config(n), task_config(n)) for n in cfg.exp.tasks] or
              [(cfg.task, _default_or_self("task", hydra_choice.get("task"), TaskConfig, cfg.task))])
     if system_defaults:
         for cur, _ in systems:
@@ -90,6 +89,37 @@ def resolve_cells(cfg: DictConfig, system_defaults: Mapping[str, Any] | None = N
             hold_out(system, t.name)
             cells.append(GridCell(system, t, key))
     return cells
+
+
+def system_config(name: str) -> DictConfig:
+    """conf/system/<name>.yaml; without such a file, a policy of that name (an installed package's, through the
+    `kvharness.policies` entry points) with its defaults, on the backend that runs policies."""
+    if (CONF_DIR / "system" / f"{name}.yaml").is_file() or not name.isidentifier() or policy_class(name) is None:
+        return load_group("system", name, SystemConfig)
+    return _structured(SystemConfig, _policy_system(name))
+
+
+def task_config(name: str) -> DictConfig:
+    """conf/task/<name>.yaml; without such a file, a task family of that name (an installed package's, through the
+    `kvharness.tasks` entry points) with its defaults."""
+    if (CONF_DIR / "task" / f"{name}.yaml").is_file() or not name.isidentifier():
+        return load_group("task", name, TaskConfig)
+    try:
+        task_class(name)
+    except TaskError:
+        return load_group("task", name, TaskConfig)          # the unknown-task error names the files
+    return _structured(TaskConfig, {"name": name, "family": name})
+
+
+def _policy_system(policy: str) -> dict[str, Any]:
+    backend = policy_backend().name
+    return {"name": f"{backend}-{policy}", "backend": backend, "policy": policy}
+
+
+def _structured(schema: type, values: dict[str, Any]) -> DictConfig:
+    node = OmegaConf.merge(OmegaConf.structured(schema), values)
+    assert isinstance(node, DictConfig)
+    return node
 
 
 def apply_defaults(node: DictConfig, defaults: Mapping[str, Any], schema: Any = None,
@@ -150,10 +180,21 @@ def _hydra_choices() -> dict:
 
 
 def pristine(group: str, name: str, schema: type) -> DictConfig | None:
-    """The group file whose `name` is `name`, unmodified: the baseline a cell key lists its differences from."""
+    """The group file whose `name` is `name`, unmodified: the baseline a cell key lists its differences from (for a
+    policy or task family named without a file, the config system_config / task_config make for it)."""
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         if OmegaConf.load(path).get("name") == name:
             return load_group(group, path.stem, schema)
+    if group == "system":
+        policy = name.split("-", 1)[-1]
+        if policy.isidentifier() and policy_class(policy) is not None and _policy_system(policy)["name"] == name:
+            return _structured(SystemConfig, _policy_system(policy))
+    elif name.isidentifier():
+        try:
+            task_class(name)
+        except TaskError:
+            return None
+        return _structured(TaskConfig, {"name": name, "family": name})
     return None
 
 

@@ -1,4 +1,4 @@
-"""The sections every accuracy summary shows (averages, per unit, pairwise, figures) and the `accuracy` kind's summary."""
+"""The sections every accuracy summary shows: averages, the per-unit table, pairwise comparisons, the figures."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -30,10 +30,9 @@ from harness.integrations.assets import model_dir as resolve_model_dir
 from harness.reporting import plots
 from harness.reporting.summary import cell_envs
 from harness.running.cells import cell_config
-from harness.running.config import UserError, load_group
+from harness.running.config import UserError
 from harness.running.experiment import Cell, Experiment, Run
-from harness.running.grid import GridCell, apply_budget
-from harness.running.schema import SystemConfig
+from harness.running.grid import GridCell, apply_budget, system_config
 from harness.running.store import CellStore
 from systems.hardware import resolve_dtype
 from systems.policies import policy_class
@@ -55,7 +54,7 @@ def model_dims(cfg: DictConfig, p: Params) -> dict[str, int]:
 
 def bench_systems(cells: list[GridCell], p: Params, num_layers: int, num_kv_heads: int) -> list[DictConfig]:
     """The systems to time, the shared budget applied, with the parameters each policy names for a profile-free run."""
-    loaded = [load_group("system", name, SystemConfig) for name in p.systems] or [c.system for c in cells]
+    loaded = [system_config(name) for name in p.systems] or [c.system for c in cells]
     out = []
     for s in {s.name: copy.deepcopy(s) for s in loaded}.values():
         s.merge_with(p.system_overrides or {})

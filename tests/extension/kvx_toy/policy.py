@@ -1,8 +1,9 @@
 """A policy written only against systems/policies/base.py, as a newcomer would: keep the prompt's first pages.
 
 After prefill each KV head keeps its first `pages` pages of the prompt and evicts the rest for good; decode tokens are
-appended and read in full. Tests register it as systems.policies.keep_first_pages to check the harness reports a
-policy correctly without being told about it.
+appended and read in full. It has no `budget` knob: a shared budget leaves it as configured, and summaries say so.
+tests/test_policy_extension.py installs it (as package `kvx_toy`, entry point `kvharness.policies`) outside the
+tree to check the harness runs and reports a policy it was never told about.
 """
 from __future__ import annotations
 
