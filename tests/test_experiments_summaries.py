@@ -168,3 +168,14 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
            f"{float(a['retention_ci_high']):.2f}]" in md
     assert "Every task has the same number of samples at each length" in md
     assert any(r["task"] == "PAIRWISE_TOP1" and r["system"] == "engine-a" for r in rows)
+
+
+def test_every_system_keeps_its_own_colour_without_a_list_of_names():
+    import yaml
+
+    from harness.running.config import CONF_DIR
+    names = sorted({yaml.safe_load(p.read_text())["name"] for p in (CONF_DIR / "system").glob("*.yaml")})
+    colours = {plots.colour(n) for n in names}
+    assert len(colours) == len(names), "two systems share a colour: move plots.SALT to the next one that separates them"
+    assert plots.colour("engine-quest@64") == plots.colour("engine-quest")            # a budget keeps the colour
+
