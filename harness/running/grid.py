@@ -24,6 +24,9 @@ from systems.registry import backend_of, check_dims, check_system, policy_backen
 from tasks.base import TaskError, load_task, task_class
 
 
+ENGINE_SETTINGS = "engine"      # the SystemConfig field holding the engine settings (EngineConfig)
+
+
 @dataclass
 class GridCell:
     """One (system, task) pair of an experiment, with the fully resolved config that makes it."""
@@ -129,7 +132,7 @@ def apply_defaults(node: DictConfig, defaults: Mapping[str, Any], schema: Any = 
     schema = schema if schema is not None else OmegaConf.structured(SystemConfig)
     for key, value in defaults.items():
         if isinstance(value, dict):
-            inner = honoured if key == "engine" else None
+            inner = honoured if key == ENGINE_SETTINGS else None
             sub = {k: v for k, v in value.items() if inner is None or k in set(inner)}
             apply_defaults(node[key], sub, schema[key])
         elif node[key] == schema[key]:
