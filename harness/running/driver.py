@@ -9,6 +9,7 @@ summary rebuilt from disk, `python -m harness.report`).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 from pathlib import Path
@@ -38,21 +39,31 @@ from systems.registry import backend_of
 
 log = logging.getLogger("kvharness")
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+ENTRY_POINTS = "kvharness.experiments"
 
 
 def experiment_kinds() -> list[str]:
-    """Every kind under harness/experiments/ (a module, or a package holding its helpers)."""
-    return sorted(p.stem if p.suffix == ".py" else p.name for p in EXPERIMENTS.iterdir()
-                  if (p.suffix == ".py" and not p.name.startswith("_")) or (p / "__init__.py").is_file())
+    """Every kind under harness/experiments/ (a module, or a package holding its helpers), and installed ones."""
+    here = [p.stem if p.suffix == ".py" else p.name for p in EXPERIMENTS.iterdir()
+            if (p.suffix == ".py" and not p.name.startswith("_")) or (p / "__init__.py").is_file()]
+    return sorted({*here, *(e.name for e in importlib.metadata.entry_points(group=ENTRY_POINTS))})
 
 
 def find_experiment(kind: str) -> Experiment[Any]:
-    """The EXPERIMENT of harness.experiments.<kind>, or a one-line error listing the kinds."""
-    if not kind.isidentifier() or importlib.util.find_spec(f"harness.experiments.{kind}") is None:
-        raise UserError(f"unknown exp.kind {kind!r}; choose one of {experiment_kinds()} (harness/experiments/)")
-    experiment = getattr(importlib.import_module(f"harness.experiments.{kind}"), "EXPERIMENT", None)
+    """The EXPERIMENT of harness.experiments.<kind>, else of an installed package's `kvharness.experiments` entry
+    point named `kind` (a module exposing EXPERIMENT, or the Experiment itself); a one-line error lists the kinds."""
+    found: Any = None
+    if kind.isidentifier() and importlib.util.find_spec(f"harness.experiments.{kind}") is not None:
+        found = importlib.import_module(f"harness.experiments.{kind}")
+    else:
+        ep = next((e for e in importlib.metadata.entry_points(group=ENTRY_POINTS) if e.name == kind), None)
+        if ep is None:
+            raise UserError(f"unknown exp.kind {kind!r}; choose one of {experiment_kinds()} (harness/experiments/, "
+                            f"or a package's `{ENTRY_POINTS}` entry point)")
+        found = ep.load()
+    experiment = found if isinstance(found, Experiment) else getattr(found, "EXPERIMENT", None)
     if not isinstance(experiment, Experiment):
-        raise UserError(f"harness/experiments/{kind} exposes no EXPERIMENT (an instance of "
+        raise UserError(f"experiment kind {kind!r} exposes no EXPERIMENT (an instance of "
                         "harness.running.experiment.Experiment)")
     return experiment
 
