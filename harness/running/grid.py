@@ -23,7 +23,6 @@ from systems.policies.base import Policy
 from systems.registry import backend_of, check_dims, check_system, policy_backend
 from tasks.base import TaskError, load_task, task_class
 
-
 ENGINE_SETTINGS = "engine"      # the SystemConfig field holding the engine settings (EngineConfig)
 
 
