@@ -17,10 +17,10 @@ Errors = Mapping[str, Sequence[tuple[float, float, float]]]          # label -> 
 # A system's colour is a hash of its name into a fixed palette: the same in every figure and run, for any system,
 # with no list of names to keep. SALT is the first that gives every system of conf/system its own colour
 # (tests/test_experiments_summaries.py checks it; a new system that collides moves SALT on).
-_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
-            "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d", "#31a354", "#756bb1", "#636363",
-            "#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#000080", "#808000", "#008080",
-            "#800000", "#ff1493"]
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+            "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
+            "#e6550d", "#31a354", "#756bb1", "#636363", "#1b9e77", "#d95f02", "#7570b3", "#e7298a",
+            "#66a61e", "#e6ab02", "#a6761d", "#000080", "#808000", "#008080", "#800000", "#ff1493"]
 SALT = 135
 
 
