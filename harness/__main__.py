@@ -14,14 +14,16 @@ register()
 
 def one_line(exc: BaseException) -> str:
     """Hydra/OmegaConf errors span several lines and hide the cause; keep what names the fix, on one line."""
-    parts, seen = [], set()
-    while exc is not None and len(parts) < 3:
-        for line in str(exc).splitlines():
+    parts: list[str] = []
+    seen: set[str] = set()
+    cause: BaseException | None = exc
+    while cause is not None and len(parts) < 3:
+        for line in str(cause).splitlines():
             line = line.strip()
             if line and not line.startswith(("full_key", "object_type", "reference_type")) and line not in seen:
                 seen.add(line)
                 parts.append(line.rstrip("."))
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__ or cause.__context__
     return "; ".join(parts)
 
 

@@ -9,11 +9,17 @@ cells with the code of this checkout (`python -m harness.report`) and diffs them
     python scripts/rebuild_check.py model  --out /tmp/kv                     # the tiny model (once)
     python scripts/rebuild_check.py run    --out /tmp/kv --tree ../old-tree  # cells + summaries by the old code
     python scripts/rebuild_check.py compare --out /tmp/kv                    # rebuilt by this checkout, diffed
+    python scripts/rebuild_check.py rerun  --out /tmp/kv --kinds accuracy_retention   # run again by this checkout
+
+`rerun` runs the kinds again with this checkout into <out>/rerun/ and compares what every sample generated (the
+token ids and score of each row of each accuracy cell) and the summaries (timings and provenance aside): a change
+to the runner or a policy that moves a single token shows up here.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import shutil
 import subprocess
@@ -205,9 +211,43 @@ def compare(out: Path, kinds: list[str]) -> int:
     return bad
 
 
+def rows_by_id(path: Path) -> dict[str, tuple]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["id"]: (r.get("output_ids"), r.get("score")) for r in rows}
+
+
+def rerun(out: Path, kinds: list[str]) -> int:
+    """Run again with this checkout into out/rerun; compare generated tokens and summaries with the kept run."""
+    again = out / "rerun"
+    again.mkdir(exist_ok=True)
+    if not (again / "tiny_llama").exists():
+        (again / "tiny_llama").symlink_to(out / "tiny_llama")
+    bad = 0
+    for exp in kinds:
+        proc = subprocess.run([sys.executable, "-m", "harness", *overrides(exp, again)], cwd=ROOT, env=env_for(ROOT),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{exp}: rerun failed\n{proc.stderr[-3000:]}")
+            bad += 1
+            continue
+        old_dir, new_dir = folder(exp, out), folder(exp, again)
+        cells = sorted(p.parent.name for p in old_dir.glob("*/predictions.jsonl"))
+        moved = [c for c in cells if not (new_dir / c / "predictions.jsonl").is_file()
+                 or rows_by_id(old_dir / c / "predictions.jsonl") != rows_by_id(new_dir / c / "predictions.jsonl")]
+        skip = ("Made by ", "Cost: ")
+        a = [x for x in (old_dir / "as_run" / "summary.md").read_text().splitlines() if not x.startswith(skip)]
+        b = [x for x in (new_dir / "summary.md").read_text().splitlines() if not x.startswith(skip)]
+        diff = list(difflib.unified_diff(a, b, "run/summary.md", "rerun/summary.md", lineterm="", n=0))
+        print(f"{exp}: {len(cells) - len(moved)} of {len(cells)} cells generate the same tokens"
+              + (f"; differing: {moved}" if moved else "") + ("; summary differs:\n" + "\n".join(diff) if diff
+                                                             else "; summary identical (timings aside)"))
+        bad += bool(moved)
+    return bad
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("model", "run", "compare"))
+    ap.add_argument("step", choices=("model", "run", "compare", "rerun"))
     ap.add_argument("--out", type=Path, required=True, help="scratch folder: tiny model and results")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the checkout whose code runs the cells (run)")
     ap.add_argument("--kinds", nargs="*", default=list(KINDS), help=f"default: all of {list(KINDS)}")
@@ -219,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.step == "run":
         return int(run(args.out, args.tree.resolve(), args.kinds, args.rebuild_only) > 0)
+    if args.step == "rerun":
+        return int(rerun(args.out, args.kinds) > 0)
     return int(compare(args.out, args.kinds) > 0)
 
 

@@ -55,7 +55,7 @@ class Task:
         self.name, self.params, self.seed, self.limit, self.fraction = name, params, seed, limit, fraction
 
     # -- to implement ---------------------------------------------------------------------------
-    def build_samples(self, tokenizer) -> list[Sample]:
+    def build_samples(self, tokenizer: Any) -> list[Sample]:
         raise NotImplementedError
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -73,7 +73,7 @@ class Task:
         return None
 
     # -- shared ---------------------------------------------------------------------------------
-    def samples(self, tokenizer) -> list[Sample]:
+    def samples(self, tokenizer: Any) -> list[Sample]:
         """All samples, then a deterministic subset by seed when `limit` or `fraction` is set."""
         items = self.build_samples(tokenizer)
         n = len(items)
@@ -87,7 +87,7 @@ class Task:
         return items
 
 
-def chat_prompt_ids(tokenizer, text: str, system_prompt: str | None = None) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, text: str, system_prompt: str | None = None) -> list[int]:
     """The model's chat template around one user message, ending with the assistant turn's opening (what the
     harness sends; tasks use it to measure whole prompts in the model's tokens)."""
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])

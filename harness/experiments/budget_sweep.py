@@ -38,7 +38,7 @@ class Params(AccuracyParams):
 
 
 class BudgetSweep(AccuracyExperiment[Params]):
-    Params = Params
+    params_type = Params
 
     def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
         if not run.params.budgets:
@@ -72,7 +72,7 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
     reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     units = data.usable(reference) or data.units
-    budgets = sorted({int(b) for b in p.budgets})
+    budgets = sorted({int(b) for b in p.budgets or []})
     policies = list(dict.fromkeys(label.split("@")[0] for label in labels if "@" in label))
     at = {pol: {b: f"{pol}@{b}" for b in budgets if f"{pol}@{b}" in data.systems} for pol in policies}
     score = {label: mean_score(data, label, units) for label in data.systems}

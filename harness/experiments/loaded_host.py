@@ -66,7 +66,7 @@ def points(cells: list[GridCell], p: Params) -> list[tuple[DictConfig, int, int,
 
 
 class LoadedHost(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def check(self, run: Run[Params]) -> None:
         p = run.params

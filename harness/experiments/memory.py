@@ -24,6 +24,7 @@ from harness.running.config import UserError
 from harness.running.experiment import Cell, Experiment, Run
 from harness.running.params import GridParams
 from harness.running.store import CellStore
+from systems.base import GenerationRequest
 from systems.policies.base import Policy
 from systems.registry import backend_of
 
@@ -39,7 +40,7 @@ class Params(GridParams):
     reference: Optional[str] = None          # the glance states each system's KV as a multiple of this system's
 
 
-def analytic(policy, spec: dict, n: int, out: int) -> dict[str, float]:
+def analytic(policy: Policy, spec: dict, n: int, out: int) -> dict[str, float | None]:
     """What the policy says one request with prompt n and `out` output tokens holds on the device tier."""
     b, T = spec["bytes_per_block"], n + out - 1
     pages = -(-T // spec["page_size"])
@@ -51,13 +52,13 @@ def analytic(policy, spec: dict, n: int, out: int) -> dict[str, float]:
             "analytic_prefill_peak_bytes": None if peak is None else peak * b}
 
 
-def model_spec(system) -> dict:
+def model_spec(system: Any) -> dict:
     kv = system.engine.kv
     return {"layers": kv.num_layers, "kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim, "page_size": kv.page_size,
             "bytes_per_block": kv.bytes_per_block, "minmax_bytes_per_page": kv.minmax_bytes_per_page}
 
 
-def measure_one(system, request) -> dict[str, Any]:
+def measure_one(system: Any, request: GenerationRequest) -> dict[str, Any]:
     system.reset_stats()
     (c,) = system.generate([request])
     mem, spec, stats = system.memory_report(), model_spec(system), c.kv_stats or {}
@@ -71,7 +72,7 @@ def measure_one(system, request) -> dict[str, Any]:
 
 
 class Memory(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def check(self, run: Run[Params]) -> None:
         p, cfg = run.params, run.cfg
@@ -156,7 +157,7 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
               1000 * (r["tpot_s"] or math.nan)] for r in peaks], 2)
     summary.csv([{**{k: v for k, v in r.items() if k != "_env"}, "matches_analytic": o} for r, o in zip(results, ok)])
 
-    def series(rs, key, x="tokens_held"):
+    def series(rs: list[dict], key: str, x: str = "tokens_held") -> dict[str, list[tuple[float, float]]]:
         return {s: [(r[x], (r[key] or math.nan) / MIB) for r in rs if r["system"] == s]
                 for s in dict.fromkeys(r["system"] for r in rs)}
     summary.image("png_memory", plots.line_plot(

@@ -30,7 +30,7 @@ class Params(GridParams):
 
 
 class OfflineThroughput(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def cells(self, run: Run[Params]) -> list[Cell]:
         """One cell per system and output length: throughput has no task."""
@@ -71,7 +71,8 @@ def ratio_lines(results: list[dict], reference: str) -> list[str]:
 
 def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
     p, out_dir = run.params, run.out_dir
-    ref = p.reference if p.reference in {r["system"] for r in results} else (results[0]["system"] if results else "")
+    ref = str(p.reference if p.reference in {r["system"] for r in results} else
+              (results[0]["system"] if results else ""))
     summary = run.summary(envs=cell_envs(results))
     summary.glance(f"tokens/s of each system on the same requests, ratios to `{ref}`:", ratio_lines(results, ref))
     summary.table(["system", "in", "out", "requests", "total tok/s", "output tok/s", "req/s", "wall s",

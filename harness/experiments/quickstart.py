@@ -54,7 +54,7 @@ def throughput_cells(run: Run[Params]) -> list[Cell]:
 
 
 class Quickstart(AccuracyExperiment[Params]):
-    Params = Params
+    params_type = Params
 
     def cells(self, run: Run[Params]) -> list[Cell]:
         throughput = throughput_cells(run)

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("kvharness")
 
@@ -119,7 +120,7 @@ def _convert(out: Path, progress: bool) -> None:
     steps.close()
 
 
-def _verify(folder: Path, tokenizer, model) -> None:
+def _verify(folder: Path, tokenizer: Any, model: Any) -> None:
     if not tokenizer.chat_template:
         raise AssetError(f"{folder}: tokenizer has no chat template")
     text = tokenizer.apply_chat_template([{"role": "user", "content": VERIFY_PROMPT}],

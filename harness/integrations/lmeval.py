@@ -23,17 +23,17 @@ lm-eval's standard `device`, `batch_size` (an integer or `auto`), `max_batch_siz
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from harness.integrations.assets import model_dir as resolve_model_dir
-from harness.running.config import load_group
-from harness.running.grid import apply_budget
+from harness.running.grid import apply_budget, system_config
 from harness.running.prompts import truncate_middle
-from harness.running.schema import ModelConfig, SystemConfig
-from systems.base import GenerationRequest
+from harness.running.schema import ModelConfig
+from systems.base import Completion, GenerationRequest
 from systems.registry import build_system
 
 LM_EVAL_ARGS = ("device", "max_batch_size", "trust_remote_code", "parallelize", "pretrained", "backend")
@@ -51,7 +51,7 @@ class KVHarnessLM(LM):
         for key in LM_EVAL_ARGS:           # lm-eval passes these to every model; none is a policy parameter
             policy_params.pop(key, None)
         self.model_dir = resolve_model_dir(model_path)
-        self.system_cfg = load_group("system", system, SystemConfig)
+        self.system_cfg = system_config(system)
         if budget is not None:
             apply_budget(self.system_cfg, int(budget))
         for k, v in policy_params.items():
@@ -65,7 +65,7 @@ class KVHarnessLM(LM):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.max_length, self.max_gen_toks = int(max_length), int(max_gen_toks)
         self.system = build_system(self.system_cfg, self.model_dir, self.model_cfg, device=self.run_device)
-        self._scorer = None
+        self._scorer: Any = None          # an HF model, for systems that cannot teacher-force
         forcing = bool(getattr(self.system, "supports_forced_decoding", False))
         mode = getattr(self.system, "mode", "physical")
         self.kv_mode = {"generate_until": mode, "loglikelihood": mode if forcing else "dense (HF forward)"}
@@ -92,7 +92,7 @@ class KVHarnessLM(LM):
                                                   add_generation_prompt=add_generation_prompt)
 
     # -- generation through the KV policy ---------------------------------------------------------------
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:
         reqs = []
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args
@@ -110,7 +110,7 @@ class KVHarnessLM(LM):
                                           stop=tuple(until)))
         return self._generate(reqs, lambda c: c.text)
 
-    def _generate(self, reqs: list[GenerationRequest], take) -> list:
+    def _generate(self, reqs: list[GenerationRequest], take: Callable[[Completion], Any]) -> list:
         out = []
         size = max(1, self.system_cfg.batch_size)
         for start in range(0, len(reqs), size):
@@ -151,7 +151,7 @@ class KVHarnessLM(LM):
         target = torch.tensor(cont_ids)
         return float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def loglikelihood(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         items = []
         for req in requests:
             context, continuation = req.args
@@ -161,7 +161,7 @@ class KVHarnessLM(LM):
             items.append((whole[:len(whole) - len(cont)], cont))
         return self._forced(items)
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[float]:
         out = []
         for req in requests:
             (text,) = req.args

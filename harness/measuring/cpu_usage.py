@@ -113,7 +113,7 @@ class CpuMeter:
         self._before, _, _ = self._snapshot()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
         after, allowed, processes = self._snapshot()
         deltas = [(ticks - self._before.get(key, 0)) / TICK for key, ticks in after.items()]

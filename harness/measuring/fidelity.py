@@ -23,10 +23,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from systems.base import Completion, GenerationRequest
+from systems.base import Completion, GenerationRequest, System
 
 FOLDER = "reference_logprobs"
 
@@ -90,7 +91,7 @@ def forced_requests(items: Sequence[tuple[str, list[int], list[int]]], steps: in
             for rid, prompt, forced in items]
 
 
-def gold_ids(tokenizer, answers: Sequence[str], max_tokens: int = 256) -> list[int] | None:
+def gold_ids(tokenizer: Any, answers: Sequence[str], max_tokens: int = 256) -> list[int] | None:
     """The single gold answer as the tokens a model would write after the prompt (None: no single answer)."""
     if len(answers) != 1 or not str(answers[0]).strip():
         return None
@@ -98,7 +99,7 @@ def gold_ids(tokenizer, answers: Sequence[str], max_tokens: int = 256) -> list[i
     return ids or None
 
 
-def run_batch(plan: FidelityPlan, system, tokenizer, samples: Sequence, prompts: Sequence[list[int]],
+def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Sequence, prompts: Sequence[list[int]],
               completions: Sequence[Completion]) -> list[dict]:
     """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed."""
     out: list[dict] = [{} for _ in samples]
@@ -124,8 +125,7 @@ def run_batch(plan: FidelityPlan, system, tokenizer, samples: Sequence, prompts:
             for (i, ref), c in zip(diverged, system.generate(reqs)):
                 out[i] = compare(ref["ids"], ref["logprobs"], c.argmax_ids, c.logprobs)
     if plan.gold:
-        golds = [(i, gold_ids(tokenizer, s.answers)) for i, s in enumerate(samples)]
-        golds = [(i, g) for i, g in golds if g]
+        golds = [(i, g) for i, s in enumerate(samples) if (g := gold_ids(tokenizer, s.answers))]
         if golds:
             reqs = forced_requests([(f"{samples[i].id}#gold", prompts[i], g) for i, g in golds], 0)
             for (i, g), c in zip(golds, system.generate(reqs)):
@@ -133,9 +133,9 @@ def run_batch(plan: FidelityPlan, system, tokenizer, samples: Sequence, prompts:
     return out
 
 
-def supports_forcing(system) -> bool:
+def supports_forcing(system: object) -> bool:
     return bool(getattr(system, "supports_forced_decoding", False))
 
 
-def finite(x) -> bool:
+def finite(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)

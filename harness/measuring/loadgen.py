@@ -18,9 +18,12 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import aiohttp
 
 from harness.measuring.serving_stats import RequestOutput
 
@@ -79,7 +82,7 @@ def _token_text(chunk: dict, chat: bool) -> str:
     return choice.get("text") or ""
 
 
-async def stream_request(session, url: str, payload: dict[str, Any], prompt_len: int,
+async def stream_request(session: aiohttp.ClientSession, url: str, payload: dict[str, Any], prompt_len: int,
                          chat: bool = False) -> RequestOutput:
     """POST one streamed completion and time it the way vLLM's bench client does."""
     out = RequestOutput(prompt_len=prompt_len)
@@ -164,7 +167,7 @@ async def run_load(base_url: str, model: str, prompts: Sequence[Prompt], arrival
     timeout = aiohttp.ClientTimeout(total=None, sock_read=max_seconds)
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
 
-    async def one(session, p: Prompt) -> RequestOutput:
+    async def one(session: aiohttp.ClientSession, p: Prompt) -> RequestOutput:
         payload = request_payload(model, p, max_tokens, chat, temperature, ignore_eos, extra_body)
         if limit is None:
             return await stream_request(session, url, payload, p.prompt_len, chat)

@@ -10,11 +10,11 @@ import time
 from typing import Any
 
 from harness.integrations.assets import essay_files
-from harness.measuring.cpu_usage import CpuMeter
-from systems.base import GenerationRequest
+from harness.measuring.cpu_usage import CpuMeter, CpuUsage
+from systems.base import GenerationRequest, System
 
 
-def build_requests(tokenizer, num: int, input_len: int, output_len: int, seed: int) -> list[GenerationRequest]:
+def build_requests(tokenizer: Any, num: int, input_len: int, output_len: int, seed: int) -> list[GenerationRequest]:
     """`num` distinct windows of essay tokens (no shared prefixes, so no system gains from prefix caching)."""
     text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in essay_files())
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -27,7 +27,7 @@ def build_requests(tokenizer, num: int, input_len: int, output_len: int, seed: i
                               max_new_tokens=output_len, ignore_eos=True, seed=seed) for i in range(num)]
 
 
-def measure(system, requests: list[GenerationRequest], exclude: frozenset[int] = frozenset()) -> dict[str, Any]:
+def measure(system: System, requests: list[GenerationRequest], exclude: frozenset[int] = frozenset()) -> dict[str, Any]:
     """Time one generate() call; the CPU columns count this process and its children (vLLM's engine core) except
     the process subtrees in `exclude`."""
     system.reset_stats()
@@ -47,6 +47,6 @@ def measure(system, requests: list[GenerationRequest], exclude: frozenset[int] =
             **cpu_columns(meter.usage)}
 
 
-def cpu_columns(usage) -> dict[str, Any]:
+def cpu_columns(usage: CpuUsage | None) -> dict[str, Any]:
     return {"cores_busy": usage.cores_busy, "cpu_s": usage.cpu_s, "busy_threads": usage.busy_threads,
             "cpus_allowed": usage.cpus_allowed} if usage else {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +49,7 @@ def parse_goodput(spec: Mapping[str, float] | str | Sequence[str] | None) -> dic
     if isinstance(spec, str):
         spec = spec.split()
     if not isinstance(spec, Mapping):
-        pairs = {}
+        pairs: dict[str, Any] = {}
         for item in spec:
             key, sep, value = str(item).partition(":")
             if not sep:
@@ -56,7 +57,8 @@ def parse_goodput(spec: Mapping[str, float] | str | Sequence[str] | None) -> dic
             pairs[key] = value
         spec = pairs
     out = {}
-    for key, value in spec.items():
+    items: Mapping[str, Any] = spec
+    for key, value in items.items():
         if key not in SLO_KEYS:
             raise ValueError(f"goodput SLO key {key!r} unknown; use any of {list(SLO_KEYS)} (values in ms)")
         try:

@@ -10,6 +10,7 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 Series = Mapping[str, Sequence[tuple[float, float]]]                 # label -> [(x, y), ...]
 Errors = Mapping[str, Sequence[tuple[float, float, float]]]          # label -> [(x, low, high), ...]
@@ -30,14 +31,14 @@ def colour(label: str) -> str:
     return _PALETTE[int(hashlib.sha1(f"{SALT}:{base}".encode()).hexdigest(), 16) % len(_PALETTE)]
 
 
-def _pyplot():
+def _pyplot() -> Any:
     import matplotlib
     matplotlib.use("Agg")        # headless: summaries are written on machines without a display
     import matplotlib.pyplot as plt
     return plt
 
 
-def _save(fig, path: Path) -> str:
+def _save(fig: Any, path: Path) -> str:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")  # written whole, then renamed: readers never see half a PNG
@@ -47,11 +48,11 @@ def _save(fig, path: Path) -> str:
     return str(path)
 
 
-def _finite(v) -> bool:
+def _finite(v: object) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, **kwargs) -> str:
+def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, **kwargs: Any) -> str:
     """One line per label (markers at the points, error bars from `errors`); `dashed` adds reference lines (e.g.
     analytic bounds) in the colour of the solid series of the same label, drawn under it with a wider dash so
     both stay visible; `band` = (label, value, low, high) draws a horizontal line with its shaded interval (a
@@ -73,11 +74,11 @@ def line_panels(path: Path, panels: Sequence[dict], xlabel: str, title: str) -> 
     return _save(fig, path)
 
 
-def _lines(ax, series: Series, xlabel: str, ylabel: str, title: str, *,
+def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
            dashed: Series | None = None, dashed_label: str = "analytic (dashed)", logx: bool = False,
            logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
            hline: float | None = None, colours: Mapping[str, str] | None = None) -> None:
-    def pick(label):
+    def pick(label: str) -> str:
         return (colours or {}).get(label) or colour(label)
 
     for label, pts in (dashed or {}).items():
@@ -120,7 +121,9 @@ def _lines(ax, series: Series, xlabel: str, ylabel: str, title: str, *,
         ax.legend(fontsize=7, ncol=2, loc="best")
 
 
-def _draw_heatmap(ax, values, row_labels, col_labels, vmin, vmax, cmap, digits, notes=None):
+def _draw_heatmap(ax: Any, values: Sequence[Sequence[float]], row_labels: Sequence, col_labels: Sequence,
+                  vmin: float | None, vmax: float | None, cmap: str, digits: int,
+                  notes: Sequence[Sequence[str]] | None = None) -> Any:
     import numpy as np
     data = np.array([[v if _finite(v) else np.nan for v in row] for row in values], dtype=float)
     if vmin is None or vmax is None:            # fit the scale to the data (a fixed 0..1.2 hides ratios above it)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from harness.running.envinfo import command_line, static_env
 
@@ -12,15 +13,15 @@ def _overrides(command: str) -> list[str] | None:
     return words[3:] if words[:3] == ["python", "-m", "harness"] else None
 
 
-def regenerate_command(cfg, envs: Sequence[dict] | None = None) -> str:
+def regenerate_command(cfg: Any, envs: Sequence[dict] | None = None) -> str:
     """One command that remakes every cell: the cells' commands without `results_dir=` (it only says where a copy
     was written) and with their `exp.systems=` subsets merged, dropped when together they are the experiment's
     systems; the first command when the cells' commands differ in anything else."""
-    commands = sorted({e.get("command_line") for e in envs or [] if e and e.get("command_line")})
+    commands: list[str] = sorted({str(e["command_line"]) for e in envs or [] if e and e.get("command_line")})
     if not commands:
         return command_line(cfg)
-    parsed = [_overrides(c) for c in commands]
-    if any(p is None for p in parsed):
+    parsed = [words for c in commands if (words := _overrides(c)) is not None]
+    if len(parsed) < len(commands):
         return commands[0]
     configured = [str(s) for s in (cfg.exp.get("systems") or [])] if cfg is not None and cfg.get("exp") else []
     bases, systems = set(), []
@@ -37,7 +38,7 @@ def regenerate_command(cfg, envs: Sequence[dict] | None = None) -> str:
     return " ".join(["python -m harness", *base])
 
 
-def provenance(cfg, envs: Sequence[dict] | None = None) -> str:
+def provenance(cfg: Any, envs: Sequence[dict] | None = None) -> str:
     """How the numbers were made: the cells' commands (with how many cells each made when they differ), git sha,
     code hash, CPU and versions (this process's when no cell records are given)."""
     envs = [e for e in (envs or []) if e] or [static_env()]

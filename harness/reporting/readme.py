@@ -127,7 +127,7 @@ def render(readme: str, root: Path = ROOT) -> str:
         pattern = re.compile(rf"(<!-- {tag} -->\n).*?(\n<!-- /{tag} -->)", re.S)
         if not pattern.search(readme):
             raise SystemExit(f"README.md has no <!-- {tag} --> ... <!-- /{tag} --> block; add the two marker lines")
-        readme = pattern.sub(lambda m, block=block: m.group(1) + block + m.group(2), readme)
+        readme = pattern.sub(lambda m: m.group(1) + block + m.group(2), readme)   # noqa: B023 - used at once
     return readme
 
 

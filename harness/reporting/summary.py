@@ -21,7 +21,7 @@ log = logging.getLogger("kvharness")
 
 
 class Summary:
-    def __init__(self, cfg, title: str | None = None, envs: list[dict] | None = None):
+    def __init__(self, cfg: Any, title: str | None = None, envs: list[dict] | None = None):
         """`envs`: the env.json records of the cells the numbers come from (their commands, commits and machine
         make the footer); default: this process's."""
         self.cfg = cfg

@@ -58,11 +58,11 @@ class Estimate:
 NAN = Estimate(math.nan, math.nan, math.nan, 0)
 
 
-def _finite(x) -> bool:
+def _finite(x: object) -> bool:
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def _array(x: Sequence[float]) -> np.ndarray:
+def _array(x: Sequence[float] | np.ndarray) -> np.ndarray:
     return np.asarray(list(x), dtype=np.float64)
 
 
@@ -89,7 +89,7 @@ def mean(values: Sequence[float]) -> Estimate:
     return Estimate(float(x.mean()), low, high, int(x.size))
 
 
-def _retention(p, r, c, axis=-1):
+def _retention(p: np.ndarray, r: np.ndarray, c: np.ndarray, axis: int = -1) -> np.ndarray:
     base = np.mean(c, axis=axis)
     with np.errstate(divide="ignore", invalid="ignore"):
         return (np.mean(p, axis=axis) - base) / (np.mean(r, axis=axis) - base)
@@ -104,7 +104,7 @@ def retention(policy: Sequence[float], reference: Sequence[float], chance: Seque
     c = np.zeros_like(p) if chance is None else _array(chance)
     if p.size == 0:
         return NAN
-    value, low, high = stratified([(p, r, c)], lambda us: _retention(*us[0]))
+    value, low, high = stratified([(p, r, c)], lambda us: _retention(us[0][0], us[0][1], us[0][2]))
     if not math.isfinite(value):
         return Estimate(math.nan, math.nan, math.nan, int(p.size))
     return Estimate(value, low, high, int(p.size))
@@ -121,24 +121,24 @@ def difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
     return Estimate(float(np.mean(x - y)), low, high, int(x.size))
 
 
-def stratified(units: Sequence[tuple[np.ndarray, ...]], statistic: Callable[[list[tuple[np.ndarray, ...]]], np.ndarray]
-               ) -> tuple[float, float, float]:
+def stratified(units: Sequence[tuple[Sequence[float] | np.ndarray, ...]],
+               statistic: Callable[[list[tuple[np.ndarray, ...]]], np.ndarray]) -> tuple[float, float, float]:
     """Point and percentile interval of `statistic` over several units of paired samples.
 
     units: per unit, a tuple of equally long per-sample arrays (e.g. policy, reference, chance scores).
     statistic: takes per unit a tuple of arrays with a leading resample axis ([B, n_u] each; the point estimate is
     computed with B = 1) and returns [B] values. Samples are resampled with replacement within each unit."""
-    units = [tuple(_array(a) for a in u) for u in units]
-    units = [u for u in units if u[0].size]
-    if not units:
+    arrays = [tuple(_array(a) for a in u) for u in units]
+    arrays = [u for u in arrays if u[0].size]
+    if not arrays:
         return math.nan, math.nan, math.nan
     with np.errstate(divide="ignore", invalid="ignore"):
-        point = float(statistic([tuple(a[None, :] for a in u) for u in units])[0])
-        if not math.isfinite(point) or min(u[0].size for u in units) < 2:
+        point = float(statistic([tuple(a[None, :] for a in u) for u in arrays])[0])
+        if not math.isfinite(point) or min(u[0].size for u in arrays) < 2:
             return point, math.nan, math.nan
         rng = np.random.default_rng(SEED)
         draws = []
-        for u in units:
+        for u in arrays:
             idx = rng.integers(0, u[0].size, size=(N_RESAMPLES, u[0].size))
             draws.append(tuple(a[idx] for a in u))
         values = statistic(draws)
@@ -150,7 +150,7 @@ def stratified(units: Sequence[tuple[np.ndarray, ...]], statistic: Callable[[lis
 def macro_retention(units: Sequence[tuple[Sequence[float], Sequence[float], Sequence[float] | None]]) -> Estimate:
     """Mean over task units of each unit's retention; units are (policy, reference, chance-or-None) score lists."""
     data = [(_array(p), _array(r), np.zeros(len(p)) if c is None else _array(c)) for p, r, c in units]
-    point, low, high = stratified(data, lambda us: np.mean([_retention(*u) for u in us], axis=0))
+    point, low, high = stratified(data, lambda us: np.mean([_retention(u[0], u[1], u[2]) for u in us], axis=0))
     return Estimate(point, low, high, int(sum(len(u[0]) for u in data)))
 
 

@@ -58,7 +58,7 @@ def check_no_extra_keys(node: Any, path: str = "") -> None:
     schema = OmegaConf.get_type(node)
     if dataclasses.is_dataclass(schema):
         fields = {f.name for f in dataclasses.fields(schema)}
-        extra = sorted(set(node.keys()) - fields)
+        extra = sorted(set(map(str, node.keys())) - fields)
         if extra:
             raise UserError(f"unknown key(s) {[f'{path}{k}' for k in extra]}; valid under "
                             f"{path.rstrip('.') or 'the root'}: {sorted(fields)}")
@@ -113,6 +113,13 @@ def quiet_libraries(level: str) -> None:
     import transformers
 
     transformers.logging.set_verbosity({"debug": 10, "info": 20, "warning": 30, "error": 40}[level.lower()])
+
+
+def plain(node: Any) -> dict[str, Any]:
+    """A config mapping (an OmegaConf node, or already a dict) as a plain dict, interpolations resolved."""
+    out = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
 
 
 def dump_yaml(node: Any) -> str:

@@ -76,7 +76,7 @@ def prepare(cfg: DictConfig, same_code: bool = True) -> tuple[Experiment[Any], R
     check_no_extra_keys(cfg)
     check_dtype(cfg)
     try:
-        params = params_lib.parse(cfg, experiment.Params)
+        params: Any = params_lib.parse(cfg, experiment.params_type)
     except params_lib.ParamsError as exc:
         raise UserError(str(exc)) from None
     validate_cells(cfg, grid)

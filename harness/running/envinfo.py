@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from systems.hardware import cpu_flags, cpu_model, matrix_isa
 
@@ -112,7 +113,7 @@ def code_identity(env: dict) -> tuple:
 REBUILDING: list[str] | None = None
 
 
-def command_line(cfg=None) -> str:
+def command_line(cfg: Any = None) -> str:
     """The user's command that regenerates this result: Hydra's overrides of this job (so a multirun or Ray worker
     records the user's arguments, not its own argv), the run's overrides when a summary is rebuilt from disk, else
     this process's harness arguments."""

@@ -4,7 +4,7 @@ An experiment kind is a module or package `harness.experiments.<kind>` exposing 
 `Experiment` subclass. It never loops over cells: the driver (harness.running.driver) plans, checks, runs, resumes
 and summarizes them, asking the experiment four things:
 
-- `Params`: the dataclass of its exp.params (typed: a typo or a wrong type fails in one line);
+- `params_type`: the dataclass of its exp.params (typed: a typo or a wrong type fails in one line);
 - `cells(run)`: the cells to run, each a `Cell` (key, the config that makes it, what it needs);
 - `run_cell(run, cell, store)`: the work of one cell, returning its metrics (rows go to `store` as they come);
 - `report(run, cells)`: the summary, built from what the cells stored on disk.
@@ -88,7 +88,7 @@ class Run(Generic[P]):
 class Experiment(Generic[P]):
     """Base of every experiment kind; see the module docstring for what a kind declares."""
 
-    Params: type = GridParams
+    params_type: ClassVar[type] = GridParams      # its exp.params dataclass
     # merged into every system of the grid before its cells are keyed, on the settings its backend honours
     system_defaults: ClassVar[Mapping[str, Any]] = {}
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness.integrations.assets import known_model_dir
-from harness.running.config import CONF_DIR, UserError, load_group
+from harness.running.config import CONF_DIR, UserError, load_group, plain
 from harness.running.schema import SystemConfig, TaskConfig
 from systems.policies import policy_class
 from systems.policies.base import Policy
@@ -142,8 +143,7 @@ def hold_out(system: DictConfig, task_name: str) -> None:
     """The policy's rule for evaluating a task (FlexiCache: never with a profile made on that task)."""
     policy = policy_class(system.policy) if backend_of(system).runs_policies else None
     if policy is not None:
-        params = OmegaConf.to_container(system.params, resolve=True)
-        system.params = policy.with_heldout_task(params, task_name)
+        system.params = policy.with_heldout_task(plain(system.params), task_name)
 
 
 def apply_budget(system: DictConfig, budget: int) -> None:
@@ -151,7 +151,7 @@ def apply_budget(system: DictConfig, budget: int) -> None:
     their configuration (left_out_of_budget names them)."""
     policy = policy_class(system.policy) if backend_of(system).runs_policies else None
     if policy is not None and policy.has_budget():        # an unknown policy is reported by check_system
-        system.params = policy.with_budget(OmegaConf.to_container(system.params, resolve=True), budget)
+        system.params = policy.with_budget(plain(system.params), budget)
 
 
 def left_out_of_budget(systems: Iterable[DictConfig]) -> list[str]:
@@ -181,11 +181,17 @@ def _hydra_choices() -> dict:
         return {}
 
 
+def _name_in(path: Path) -> Any:
+    """The `name` a conf group file declares."""
+    node = OmegaConf.load(path)
+    return node.get("name") if isinstance(node, DictConfig) else None
+
+
 def pristine(group: str, name: str, schema: type) -> DictConfig | None:
     """The group file whose `name` is `name`, unmodified: the baseline a cell key lists its differences from (for a
     policy or task family named without a file, the config system_config / task_config make for it)."""
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
-        if OmegaConf.load(path).get("name") == name:
+        if _name_in(path) == name:
             return load_group(group, path.stem, schema)
     if group == "system":
         policy = name.split("-", 1)[-1]
@@ -204,7 +210,7 @@ def check_budget(system: DictConfig, model: DictConfig) -> None:
     """Budget semantics every policy shares: positive and within the context (each policy checks the rest against
     the engine's page size when it is configured)."""
     cls = policy_class(system.policy)
-    budget = cls.budget_of(OmegaConf.to_container(system.params, resolve=True)) if cls is not None else None
+    budget = cls.budget_of(plain(system.params)) if cls is not None else None
     if budget is None:
         return
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
@@ -231,7 +237,7 @@ def validate_cells(cfg: DictConfig, cells: list[GridCell]) -> None:
     for cell in cells:
         cell.policy = check_one_system(cfg, cell.system)
         t = cell.task
-        load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
+        load_task(t.family, t.name, plain(t.params), seed=cfg.seed, limit=t.limit,
                   fraction=t.fraction)
 
 
@@ -253,7 +259,7 @@ def variant(cell: GridCell, system_params: dict | None = None, task_params: dict
 
 def with_task_params(cfg: DictConfig, cells: list[GridCell], per_task: Mapping[str, Any]) -> list[GridCell]:
     """Apply {task name: {param: value}} to the cells of the named tasks and validate the result before any work."""
-    known = {OmegaConf.load(path).get("name") for path in (CONF_DIR / "task").glob("*.yaml")}
+    known = {_name_in(path) for path in (CONF_DIR / "task").glob("*.yaml")}
     unknown = sorted(set(per_task) - known - {c.task.name for c in cells})
     if unknown:   # a task of the files that is not in this grid is fine: narrowing exp.tasks keeps the yaml's entries
         raise UserError(f"exp.params.task_params names unknown task(s) {unknown}; use task names of conf/task")
@@ -269,8 +275,7 @@ def budget_params(system: DictConfig, budget: int) -> dict | str:
     LServe budget must be a whole number of its 64-token pages, as in the official code)."""
     policy = policy_class(system.policy)
     assert policy is not None, "validated cells name known policies"
-    params = OmegaConf.to_container(system.params, resolve=True)
-    assert isinstance(params, dict)
+    params = plain(system.params)
     mapped = policy.with_budget(params, budget)
     try:
         policy.from_params(mapped)
@@ -326,6 +331,5 @@ def budget_label(system: DictConfig, budgets: list | None) -> str:
     """The label a cell read back from disk had in a budget sweep: `<system>@<budget>` for swept policies (the
     policy reads its budget back from its params)."""
     cls = policy_class(system.policy) if system.get("policy") else None
-    params = OmegaConf.to_container(system.params, resolve=True) if system.get("params") is not None else {}
-    budget = cls.budget_of(params) if cls is not None and isinstance(params, dict) else None
+    budget = cls.budget_of(plain(system.get("params"))) if cls is not None else None
     return f"{system.name}@{int(budget)}" if budgets and budget is not None else system.name

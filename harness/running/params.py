@@ -32,8 +32,8 @@ T = TypeVar("T")
 def parse(cfg: DictConfig, schema: type[T]) -> T:
     """cfg.exp.params as an instance of `schema` (a dataclass); ParamsError names the bad key."""
     raw = OmegaConf.to_container(cfg.exp.params, resolve=True) if cfg.exp.get("params") is not None else {}
-    valid = sorted(f.name for f in dataclasses.fields(schema))
-    unknown = sorted(set(raw) - set(valid))
+    valid = sorted(f.name for f in dataclasses.fields(schema))       # type: ignore[arg-type]  # a dataclass type
+    unknown = sorted(set(raw or {}) - set(valid))
     if unknown:
         raise ParamsError(f"exp.params: unknown key(s) {unknown} for exp.kind={cfg.exp.kind}; valid: {valid}")
     try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tasks.base import Sample, TaskError, chat_prompt_ids
 
@@ -14,7 +15,7 @@ def truncate_middle(ids: list[int], max_tokens: int) -> list[int]:
     return ids[:half] + ids[len(ids) - (max_tokens - half):]
 
 
-def render(sample: Sample, tokenizer, max_input_tokens: int) -> list[int]:
+def render(sample: Sample, tokenizer: Any, max_input_tokens: int) -> list[int]:
     text = sample.prompt
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > max_input_tokens:
@@ -29,12 +30,13 @@ def render(sample: Sample, tokenizer, max_input_tokens: int) -> list[int]:
     return chat_prompt_ids(tokenizer, text, sample.system_prompt) + prefix
 
 
-def _adds_bos(tokenizer) -> bool:
+def _adds_bos(tokenizer: Any) -> bool:
     probe = tokenizer.encode("a", add_special_tokens=True)
     return bool(probe) and probe[0] == tokenizer.bos_token_id
 
 
-def render_all(samples: Sequence[Sample], tokenizer, max_input_tokens: int, max_model_len: int) -> list[list[int]]:
+def render_all(samples: Sequence[Sample], tokenizer: Any, max_input_tokens: int, max_model_len: int
+               ) -> list[list[int]]:
     """Render every sample up front, so an over-long prompt fails before any generation."""
     out = []
     for s in samples:

@@ -23,8 +23,8 @@ class ModelConfig:
 @dataclass
 class SystemConfig:
     name: str = MISSING                  # label in results: engine-<policy>, hf, vllm
-    backend: str = "hf"                  # hf | engine | vllm
-    policy: str = "dense"                # module name in systems/policies
+    backend: str = "hf"                  # a name in systems.registry.BACKENDS: hf | engine | vllm
+    policy: str = "dense"                # systems/policies/<name>, or an installed kvharness.policies entry point
     params: dict[str, Any] = field(default_factory=dict)  # policy hyperparameters (validated by the policy)
     batch_size: int = 8                  # requests handed to generate() at once
     # serving settings; vllm reads device_memory_gb (its KV cache), max_num_seqs and max_num_batched_tokens from
@@ -46,7 +46,7 @@ class TaskConfig:
 @dataclass
 class ExpConfig:
     name: str = "default"
-    kind: str = "accuracy"               # module name in harness/experiments
+    kind: str = "accuracy"               # harness/experiments/<kind> (module or package), or an installed entry point
     systems: list[str] = field(default_factory=list)   # conf/system names; empty = the `system` group choice
     tasks: list[str] = field(default_factory=list)     # conf/task names; empty = the `task` group choice
     params: dict[str, Any] = field(default_factory=dict)  # experiment-specific knobs

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from harness.integrations.assets import model_dir as resolve_model_dir
-from harness.running.config import UserError
+from harness.running.config import UserError, plain
 from harness.running.prompts import render_all
 from systems.base import System
 from systems.hardware import dtype_bytes
@@ -61,7 +61,7 @@ class Workspace:
         cfg = self.cfg
 
         def prepare() -> Prepared:
-            task = load_task(task_cfg.family, task_cfg.name, OmegaConf.to_container(task_cfg.params), seed=cfg.seed,
+            task = load_task(task_cfg.family, task_cfg.name, plain(task_cfg.params), seed=cfg.seed,
                              limit=task_cfg.limit, fraction=task_cfg.fraction)
             longest = task.longest_prompt_tokens()     # before building hours of 128k prompts, not after
             if longest is not None and longest > cfg.model.max_input_tokens:

@@ -170,7 +170,8 @@ class LServe(Policy):
             return None
         return selection.compact(read)      # [B, Hq, K] per query head, [B, Hkv, K] per KV head
 
-    def _refresh(self, kv: KVView, step: DecodeStep, units, num_pages, width) -> None:
+    def _refresh(self, kv: KVView, step: DecodeStep, units: torch.Tensor, num_pages: torch.Tensor, width: int
+                 ) -> None:
         """Recompute the physical-page choice of the rows whose reuse period is over."""
         layer = step.layer
         due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]

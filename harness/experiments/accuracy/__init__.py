@@ -29,7 +29,7 @@ AP = TypeVar("AP", bound=AccuracyParams)
 class AccuracyExperiment(Experiment[AP]):
     """Systems × tasks, scored per sample, compared with the reference on the same samples."""
 
-    Params: type = AccuracyParams
+    params_type: ClassVar[type] = AccuracyParams
     system_defaults: ClassVar[dict[str, Any]] = {"engine": {"batch_invariant": True}}
 
     # ---- what a kind may change ------------------------------------------------------------------------------------

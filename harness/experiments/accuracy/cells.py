@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness.experiments.accuracy.params import FIDELITY_DEFAULTS
 from harness.measuring import fidelity
 from harness.running import cells as cells_on_disk
-from harness.running.config import UserError
+from harness.running.config import UserError, plain
 from harness.running.experiment import Run
 from harness.running.grid import GridCell
 from harness.running.store import CellStore
@@ -40,7 +40,7 @@ def fidelity_settings(cfg: DictConfig) -> dict | None:
     value = cfg.exp.params.get("fidelity", True)
     if value is False or value is None:
         return None
-    extra = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else {}
+    extra = plain(value) if isinstance(value, DictConfig) else {}
     unknown = sorted(set(extra or {}) - set(FIDELITY_DEFAULTS))
     if unknown:
         raise UserError(f"exp.params.fidelity: unknown key(s) {unknown}; valid: {sorted(FIDELITY_DEFAULTS)}")

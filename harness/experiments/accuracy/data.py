@@ -173,7 +173,7 @@ class AccuracyData:
             for row in self.rows.get((label, unit), {}).values():
                 stats = row.get("kv_stats") or {}
                 kept, pages = stats.get("kept_tokens"), stats.get("device_pages")
-                if page and kept and kept[0] and _num(pages):
+                if page and kept and kept[0] and isinstance(pages, (int, float)) and _num(pages):
                     values.append(pages * page / (len(kept) * len(kept[0])))
         return unc.mean(values)
 
@@ -296,7 +296,7 @@ class AccuracyData:
     PAIRWISE_HEADER = ["system A", "system B", "A − B macro retention [95 % CI] n", "supported ordering"]
 
 
-def _num(x) -> bool:
+def _num(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 

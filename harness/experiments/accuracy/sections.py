@@ -1,10 +1,12 @@
 """The sections every accuracy summary shows: averages, the per-unit table, pairwise comparisons, the figures."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from harness.experiments.accuracy.data import AccuracyData
 from harness.reporting import plots
+from harness.reporting.summary import Summary
 
 CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
              "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
@@ -23,9 +25,9 @@ DEFINITIONS = (
     "and KV head); retrieval policies keep the whole cache and spend their budget on the pages each step reads.")
 
 
-def standard_sections(summary, data: AccuracyData, reference: str | None, out_dir, *,
+def standard_sections(summary: Summary, data: AccuracyData, reference: str | None, out_dir: Path, *,
                       units: Sequence[str] | None = None, plot_name: str = "retention.png",
-                      per_unit: bool = True, pairwise_groups: dict[str, Sequence[str]] | None = None) -> None:
+                      per_unit: bool = True, pairwise_groups: Mapping[str, Sequence[str]] | None = None) -> None:
     """Averages, the per-unit table (in the CSV only when not `per_unit`), the pairwise comparisons and the
     retention / fidelity figures. `pairwise_groups` ({title: systems}) compares systems only within each group
     (e.g. policies at the same budget) instead of every pair."""
@@ -43,15 +45,17 @@ def standard_sections(summary, data: AccuracyData, reference: str | None, out_di
         summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
                      "out of every average.")
     groups = pairwise_groups if pairwise_groups is not None else {"": [s for s in data.systems if s != reference]}
-    for title, systems in groups.items() if reference in data.systems else ():
-        md, csv = data.pairwise_table(reference, units, systems)
+    ref = reference if reference is not None and reference in data.systems else None
+    for title, systems in groups.items() if ref is not None else ():
+        assert ref is not None
+        md, csv = data.pairwise_table(ref, units, systems)
         if md:
             summary.section("Pairwise: difference in macro retention" + (f" ({title})" if title else "")).table(
                 AccuracyData.PAIRWISE_HEADER, md)
         summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
         if data.has("fid_top1"):
             summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
-                         for r in data.fidelity_pairwise("fid_top1", reference, systems, units)])
+                         for r in data.fidelity_pairwise("fid_top1", ref, systems, units)])
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness.experiments.accuracy import AccuracyExperiment
 from harness.experiments.accuracy.data import AccuracyData
@@ -25,7 +25,7 @@ from harness.experiments.cake_ablation.params import Params
 from harness.experiments.cake_ablation.report import AblationReport, matches, retention_columns
 from harness.reporting import uncertainty as unc
 from harness.reporting.summary import cell_envs
-from harness.running.config import UserError
+from harness.running.config import UserError, plain
 from harness.running.experiment import Run
 from harness.running.grid import GridCell, validate_cells, variant, with_task_params
 from systems.policies import load_policy, policy_class
@@ -39,7 +39,7 @@ def points(p: Params) -> list[dict]:
     base = p.base
     out: list[dict] = []
     for budget in p.budgets:
-        combos = []
+        combos: list[tuple[str, str, str, float | None, float | None]] = []
         if p.full_grid:
             combos += [("grid", a, i, None, None) for a in p.allocations for i in p.indicators]
         else:
@@ -56,8 +56,9 @@ def points(p: Params) -> list[dict]:
 def _default_taus(cell: GridCell, point: dict) -> tuple[float, float]:
     """The taus the template resolves to at this point (its own, or CAKE's table): a tau point equal to them is the
     base point, run once."""
-    params = {**OmegaConf.to_container(cell.system.params, resolve=True), **point}
-    return tuple(float(t) for t in load_policy(cell.system.policy, params).taus)
+    params = {**plain(cell.system.params), **point}
+    tau1, tau2 = load_policy(cell.system.policy, params).taus      # type: ignore[attr-defined]  # CAKE's taus
+    return float(tau1), float(tau2)
 
 
 def is_template(cell: GridCell) -> bool:
@@ -73,7 +74,8 @@ def expand(cfg: DictConfig, cells: list[GridCell], p: Params) -> list[GridCell]:
     if not templates:
         raise UserError(f"cake_ablation needs a system whose policy has the knobs {sorted(ABLATED)} (e.g. cake) in "
                         "exp.systems, as the template")
-    out_cells, tags = [], []
+    out_cells: list[GridCell] = []
+    tags: list[dict[str, Any]] = []
     for c in cells:
         if not is_template(c):
             out_cells.append(c)
@@ -110,7 +112,7 @@ def label(tag: dict, system: str) -> str:
 
 
 class CakeAblation(AccuracyExperiment[Params]):
-    Params = Params
+    params_type = Params
 
     def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
         p = run.params

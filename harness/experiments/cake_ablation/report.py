@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 from harness.experiments.accuracy.data import AccuracyData
 from harness.experiments.cake_ablation.params import Params
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
 from harness.reporting.summary import Summary
+from harness.reporting.uncertainty import Estimate
 
 
 def matches(row: dict, study: str, want: dict) -> bool:
@@ -30,13 +32,13 @@ class AblationReport:
         self.p, self.data, self.reference, self.points = p, data, reference, points
         self.summary, self.out_dir = summary, out_dir
 
-    def find(self, budget: int, study: str, **want) -> str | None:
+    def find(self, budget: int, study: str, **want: Any) -> str | None:
         return next((pt["label"] for pt in self.points if pt["budget"] == budget and matches(pt, study, want)), None)
 
-    def retention(self, label: str | None):
+    def retention(self, label: str | None) -> Estimate:
         return self.data.macro_retention(label, self.reference) if label else unc.NAN
 
-    def heatmap(self, name: str, labs: list[list[str | None]], rows: list, cols: list, **kw) -> str:
+    def heatmap(self, name: str, labs: list[list[str | None]], rows: list, cols: list, **kw: Any) -> str:
         return plots.heatmap(self.out_dir / name, [[self.retention(x).value for x in row] for row in labs], rows,
                              cols, colorbar=f"retention vs {self.reference}", digits=2,
                              notes=[[ci_note(self.retention(x)) if x else "" for x in row] for row in labs], **kw)
@@ -81,9 +83,9 @@ class AblationReport:
             ylabel="tau1 (entropy exponent 1/τ1)", title=f"CAKE tau sweep at {b} tokens/layer"), f"tau sweep b{b}")
 
 
-def ci_note(e) -> str:
+def ci_note(e: Estimate) -> str:
     return f"[{e.low:.2f}, {e.high:.2f}]" if math.isfinite(e.low) and math.isfinite(e.high) else ""
 
 
-def retention_columns(e) -> dict:
+def retention_columns(e: Estimate) -> dict:
     return {"retention": e.value, "retention_ci_low": e.low, "retention_ci_high": e.high, "n": e.n}

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness.experiments.decode_microbench.bench import bench_point
 from harness.experiments.decode_microbench.params import Params
@@ -30,7 +30,7 @@ from harness.integrations.assets import model_dir as resolve_model_dir
 from harness.reporting import plots
 from harness.reporting.summary import cell_envs
 from harness.running.cells import cell_config
-from harness.running.config import UserError
+from harness.running.config import UserError, plain
 from harness.running.experiment import Cell, Experiment, Run
 from harness.running.grid import GridCell, apply_budget, system_config
 from harness.running.store import CellStore
@@ -62,7 +62,7 @@ def bench_systems(cells: list[GridCell], p: Params, num_layers: int, num_kv_head
             apply_budget(s, p.budget)
         cls = policy_class(s.policy)
         if cls is not None:
-            s.params = {**OmegaConf.to_container(s.params, resolve=True),
+            s.params = {**plain(s.params),
                         **cls.profile_free_params(num_layers, num_kv_heads)}
         check_system(s)
         out.append(s)
@@ -74,7 +74,7 @@ def bench_systems(cells: list[GridCell], p: Params, num_layers: int, num_kv_head
 
 
 class DecodeMicrobench(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def check(self, run: Run[Params]) -> None:
         p = run.params

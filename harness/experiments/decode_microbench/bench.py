@@ -5,10 +5,11 @@ import time
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from harness.experiments.decode_microbench.params import Params
 from harness.measuring.cpu_usage import CpuMeter
+from harness.running.config import plain
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.ops import load_ops
@@ -24,7 +25,7 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: Params, devic
     first, n, page = p.layer, p.context, int(system_cfg.engine.page_size)
     layers = list(range(first, first + p.layers))
     hq, hkv, d = dims["num_q_heads"], dims["num_kv_heads"], dims["head_dim"]
-    policy = load_policy(system_cfg.policy, OmegaConf.to_container(system_cfg.params, resolve=True))
+    policy = load_policy(system_cfg.policy, plain(system_cfg.params))
     total = n + p.warmup + p.steps + 1
     elem = torch.empty((), dtype=dtype).element_size()
     need_gb = len(layers) * batch * hkv * (-(-total // page) + 1) * 2 * page * d * elem / GIB
@@ -46,14 +47,14 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: Params, devic
     kv.sync_copies()
     slots = torch.arange(batch, device=device)
     timings = {"select": 0.0, "attention": 0.0, "after_append": 0.0}
-    pages_read, mark = 0, {"t": 0.0, "phase_s": {}}
+    pages_read, started, phase_s = 0, [0.0], {}
 
     def clock(phase: str) -> None:                     # the engine's phase marks, with the device synced
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         now = time.perf_counter()
-        mark["phase_s"][phase] = now - mark["t"]
-        mark["t"] = now
+        phase_s[phase] = now - started[0]
+        started[0] = now
     with CpuMeter() as meter:                          # the threads the timed steps actually kept busy
         for t in range(1, p.warmup + p.steps + 1):
             need = kv.decode_blocks_needed(slots)
@@ -62,18 +63,18 @@ def bench_point(system_cfg: DictConfig, dims: dict, batch: int, p: Params, devic
             seqs = [SeqInfo(s, f"r{s}", n, n + t, t, p.steps) for s in range(batch)]
             for layer in layers:
                 q = direction + p.query_noise * rand(batch, hq, d)
-                mark["t"] = time.perf_counter()
+                started[0] = time.perf_counter()
                 with torch.inference_mode():
                     runner.decode_layer(layer, q, rand(batch, hkv, d), rand(batch, hkv, d), slots, seqs, clock)
                 kv.sync_copies()
                 if t > p.warmup:
                     for phase in timings:
-                        timings[phase] += mark["phase_s"][phase]
+                        timings[phase] += phase_s[phase]
                     sel = runner.last_selected
                     pages_read += (int(-(-kv.num_tokens[slots, layer].long() // page).sum()) if sel is None
                                    else _pages_read(sel, hkv, n + t + 1))
     per_step = {f"{k}_ms": 1000 * v / (p.steps * len(layers)) for k, v in timings.items()}
-    params = OmegaConf.to_container(system_cfg.params, resolve=True)
+    params = plain(system_cfg.params)
     return {"system": system_cfg.name, "policy": system_cfg.policy, "batch": batch, "context": n,
             "budget": params.get("budget"), "granularity": params.get("granularity"),
             "total_ms": sum(per_step.values()), **per_step,

@@ -74,7 +74,7 @@ def cell_key(run: Run[Params]) -> str:
 
 
 class DuoAttention(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def check(self, run: Run[Params]) -> None:
         p = run.params

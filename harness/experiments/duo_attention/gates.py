@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from systems.engine.models.llama import LlamaModel
 
 NATO = ("alpha bravo charlie delta echo foxtrot golf hotel india juliett kilo lima mike november oscar papa quebec "
         "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -14,7 +17,8 @@ QUESTION = "Based on the content of the book, what is the {ordinal} passkey to t
 PROMPT1, PROMPT2 = "<|im_start|> This is a very long story book: <book> ", " </book>.\n\n"
 
 
-def sample_ids(tokenizer, haystack: list[int], length: int, p: dict, rng: random.Random) -> tuple[list[int], slice]:
+def sample_ids(tokenizer: Any, haystack: list[int], length: int, p: dict, rng: random.Random
+               ) -> tuple[list[int], slice]:
     """One multi-passkey sample: token ids and the slice of the QA block (the loss span)."""
     keys = [" ".join(rng.choice(NATO) for _ in range(p["passkey_words"])) for _ in range(p["passkeys"])]
     depths = sorted(rng.sample([0.05 + 0.9 * i / 999 for i in range(1000)], p["passkeys"]))
@@ -39,7 +43,8 @@ def streaming_mask(n: int, sink: int, recent: int) -> torch.Tensor:
     return (j <= i) & ((j < sink) | (i - j < recent))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              mask: torch.Tensor | None) -> torch.Tensor:
     """q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D]; causal when mask is None (GQA stays grouped)."""
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
@@ -47,11 +52,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, m
     return out[0].transpose(0, 1)
 
 
-def teacher(model, ids: torch.Tensor, scale: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+def teacher(model: LlamaModel, ids: torch.Tensor, scale: float) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The full-attention outputs of every layer (pre-o_proj) and the final hidden states."""
     outs: list[torch.Tensor] = []
 
-    def attend(layer, q, k, v):
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         o = attention(q, k, v, scale, None)
         outs.append(o.detach())
         return o
@@ -60,9 +65,9 @@ def teacher(model, ids: torch.Tensor, scale: float) -> tuple[list[torch.Tensor],
     return outs, hidden.detach()
 
 
-def student(model, ids: torch.Tensor, gates: torch.Tensor, full: list[torch.Tensor], mask: torch.Tensor,
+def student(model: LlamaModel, ids: torch.Tensor, gates: torch.Tensor, full: list[torch.Tensor], mask: torch.Tensor,
             scale: float, group: int) -> torch.Tensor:
-    def attend(layer, q, k, v):
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         stream = attention(q, k, v, scale, mask)
         alpha = gates[layer].clamp(0, 1).repeat_interleave(group).view(1, -1, 1)       # a KV head's gate, per group
         return (1 - alpha) * stream + alpha * full[layer]
@@ -74,7 +79,8 @@ def lr_factor(step: int, total: int) -> float:
     return min(1.0, max((step + 1) / ramp, 0.1), max((total - step) / ramp, 0.1))
 
 
-def build_pool(model, tokenizer, haystack: list[int], lengths: list[int], p: dict, rng: random.Random) -> list[tuple]:
+def build_pool(model: LlamaModel, tokenizer: Any, haystack: list[int], lengths: list[int], p: dict,
+               rng: random.Random) -> list[tuple]:
     """The fixed sample pool, teacher states computed once: per sample its ids, loss span, per-layer full-attention
     outputs, final hidden states over the span and streaming mask."""
     scale = model.spec.head_dim ** -0.5
@@ -87,7 +93,7 @@ def build_pool(model, tokenizer, haystack: list[int], lengths: list[int], p: dic
     return pool
 
 
-def train_gates(model, pool: list[tuple], p: dict, rng: random.Random) -> tuple[torch.Tensor, list[dict]]:
+def train_gates(model: LlamaModel, pool: list[tuple], p: dict, rng: random.Random) -> tuple[torch.Tensor, list[dict]]:
     """Train one gate per (layer, KV head) on the pool; returns the clamped gates and the per-step history."""
     spec = model.spec
     scale = spec.head_dim ** -0.5

@@ -95,7 +95,7 @@ def profile(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params, store: Ce
 
 
 class HeadStability(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def check(self, run: Run[Params]) -> None:
         p = run.params

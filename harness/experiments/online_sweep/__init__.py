@@ -54,7 +54,7 @@ def check(cfg: DictConfig, cells: list[GridCell], p: Params) -> None:
 
 
 class OnlineSweep(Experiment[Params]):
-    Params = Params
+    params_type = Params
 
     def check(self, run: Run[Params]) -> None:
         check(run.cfg, run.grid, run.params)

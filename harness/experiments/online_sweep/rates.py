@@ -20,7 +20,7 @@ from harness.running.store import CellStore, atomic_write_json
 log = logging.getLogger("kvharness")
 
 
-def essay_windows(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+def essay_windows(tokenizer: Any, count: int, length: int, seed: int) -> list[list[int]]:
     """`count` windows of essay tokens starting at distinct offsets, so no two prompts share a prefix."""
     text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in essay_files())
     base = tokenizer.encode(text, add_special_tokens=False)
