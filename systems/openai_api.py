@@ -82,7 +82,7 @@ def _token_ids(value: Any, vocab: int) -> list[int] | None:
     return None
 
 
-def completion_prompt(body: dict, tokenizer, vocab: int) -> list[int]:
+def completion_prompt(body: dict, tokenizer: Any, vocab: int) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -107,7 +107,7 @@ def _content(message: dict, i: int) -> str:
     raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_prompt(body: dict, tokenizer: Any) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -133,7 +133,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str) -> Params:
+def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: str) -> Params:
     """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -186,7 +186,7 @@ def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str) -> Par
 class Detokenizer:
     """Incremental text for streamed token ids (vLLM's prefix/read-offset scheme), cut before stop strings."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.prefix = self.read = 0

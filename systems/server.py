@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ MAX_BODY_BYTES = 16 << 20
 class OpenAIServer:
     """The HTTP side: validation, admission (bounded queue), SSE framing, counters."""
 
-    def __init__(self, system, model_name: str, max_queue: int = 64, retry_after_s: int = 1):
+    def __init__(self, system: Any, model_name: str, max_queue: int = 64, retry_after_s: int = 1) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
         self.system, self.model_name = system, model_name
@@ -148,7 +149,7 @@ class OpenAIServer:
             if not live.done:
                 self.loop.abort(live)
 
-    async def _events(self, live: Live, detok: Detokenizer):
+    async def _events(self, live: Live, detok: Detokenizer) -> AsyncIterator[tuple[str, str | None]]:
         """(text delta, finish_reason or None) per engine step; raises ApiError on an engine failure."""
         while True:
             event = await live.events.get()
@@ -242,11 +243,11 @@ class RunningServer:
     def __enter__(self) -> RunningServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
+def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
                     retry_after_s: int = 1) -> RunningServer:
     """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread."""
     server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s)
@@ -286,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from systems.engine.config import EngineConfig
-    from systems.registry import SystemConfigError, check_policy
+    from systems.registry import SystemConfigError, parse_policy
 
     try:
         params = json.loads(args.params)
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --max-queue must be >= 0 and --port in 1..65535", file=sys.stderr)
         return 2
     try:
-        check_policy(args.policy, params)       # a typo costs a second, not a model load
+        policy = parse_policy(args.policy, params)   # a typo costs a second, not a model load
     except SystemConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --engine: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or Path(args.model).resolve().name
-    system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype,
+    system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype, policy=policy,
                           name=f"engine-{args.policy}", max_model_len=args.max_model_len)
     server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

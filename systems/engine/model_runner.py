@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,8 +14,8 @@ from systems.policies.base import DecodeStep, Policy, SeqInfo
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops,
-                 batch_invariant: bool = False):
+    def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops: Any,
+                 batch_invariant: bool = False) -> None:
         """`model` may be None for a runner that only runs decode_layer (decode_microbench)."""
         self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops
         self.device = model.device if model is not None else kv.device

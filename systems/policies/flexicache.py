@@ -20,6 +20,7 @@ Where this departs from the official fork, and why:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +162,7 @@ class FlexiCache(Policy):
         stats["copy_time_s"] += time.perf_counter() - t0
 
     @staticmethod
-    def _tier_call(fn, slot, layer, heads, pages) -> None:
+    def _tier_call(fn: Callable[..., None], slot: int, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> None:
         n = heads.numel()
         fn(torch.full((n,), slot, dtype=torch.long, device=heads.device),
            torch.full((n,), layer, dtype=torch.long, device=heads.device), heads, pages)
@@ -251,7 +252,8 @@ class FlexiCache(Policy):
         chosen.scatter_(-1, (num_pages - 1).unsqueeze(-1), True)       # the partial last page stays
         self._swap(kv, step, rows, heads, resident, chosen)
 
-    def _swap(self, kv: KVView, step: DecodeStep, rows, heads, resident, chosen) -> None:
+    def _swap(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, heads: torch.Tensor, resident: torch.Tensor,
+              chosen: torch.Tensor) -> None:
         """Promote the pages new in `chosen` into the blocks of the pages that left it, free the leftovers."""
         R, S, M = resident.shape
         incoming, evicted = selection.swap_map(resident.reshape(R * S, M), chosen.reshape(R * S, M))

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     raise ValueError(f"rope_type {kind!r} is not supported by the engine; supported: default, linear, llama3")
 
 
-def fused_cpu_steps(device: torch.device, dtype: torch.dtype):
+def fused_cpu_steps(device: torch.device, dtype: torch.dtype) -> Any:
     """The fused elementwise CPU kernels (residual add + RMSNorm, RoPE, SiLU gate: ops/cpu_model.cpp) where they are
     built, else None (the torch expressions below, which round identically)."""
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
