@@ -234,7 +234,7 @@ def rerun(out: Path, kinds: list[str]) -> int:
         cells = sorted(p.parent.name for p in old_dir.glob("*/predictions.jsonl"))
         moved = [c for c in cells if not (new_dir / c / "predictions.jsonl").is_file()
                  or rows_by_id(old_dir / c / "predictions.jsonl") != rows_by_id(new_dir / c / "predictions.jsonl")]
-        skip = ("Made by ", "Cost: ")
+        skip = ("Made by ", "Cost: ", "Regenerate: ")       # the rerun's command names its own folders
         a = [x for x in (old_dir / "as_run" / "summary.md").read_text().splitlines() if not x.startswith(skip)]
         b = [x for x in (new_dir / "summary.md").read_text().splitlines() if not x.startswith(skip)]
         diff = list(difflib.unified_diff(a, b, "run/summary.md", "rerun/summary.md", lineterm="", n=0))

@@ -158,3 +158,14 @@ def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
     pairs = {(r["group"], r["system"], r["other"]) for r in rows if r["task"] in ("PAIRWISE", "PAIRWISE_TOP1")}
     assert pairs == {("budget 32", "engine-quest@32", "engine-streaming@32"),
                      ("budget 64", "engine-quest@64", "engine-streaming@64")}, pairs
+
+
+def test_quickstart_end_to_end(tiny_llama_dir, tmp_path):
+    """`make run` at CI's toy scale: accuracy cells beside a timed throughput cell, one summary."""
+    out, md, rows, pngs = _run("quickstart", tiny_llama_dir, tmp_path, "exp.systems=[dense,streaming]",
+                               "++exp.params.task_overrides={limit:2}", "exp.params.fidelity={steps:4,gold:false}",
+                               "exp.params.throughput.systems=[dense]", "exp.params.throughput.num_requests=2",
+                               "exp.params.throughput.input_len=300", "exp.params.throughput.output_len=4")
+    assert len(out) == 3 and out[-1]["system"] == "engine-dense" and out[-1]["output_tok_s"] > 0
+    assert any(r.get("part") == "throughput" for r in rows) and "Offline throughput" in md
+

@@ -57,6 +57,8 @@ class AccuracyExperiment(Experiment[AP]):
 
     def plan_cell(self, run: Run[AP], cell: Cell, store: CellStore) -> int:
         """Render the cell's prompts (bad input fails before any generation) and size its largest request."""
+        if not isinstance(cell.item, AccuracyItem):           # a cell a kind adds beside its accuracy cells
+            return super().plan_cell(run, cell, store)
         _, samples, prompts = run.workspace.task(cell.item.grid.task)
         cell.units = len(samples)
         if prompts:
