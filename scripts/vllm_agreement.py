@@ -89,7 +89,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from harness.assets import model_dir
+    from harness.integrations.assets import model_dir
     from systems.base import GenerationRequest
     from systems.hf import HFSystem
     from systems.vllm import VLLMSystem

@@ -18,6 +18,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from systems.base import GenerationRequest
+from systems.engine.engine import Engine
 from systems.engine.sequence import Sequence, Status
 
 log = logging.getLogger("kvharness.server")
@@ -39,7 +40,7 @@ class Live:
 class EngineLoop:
     """The one thread that drives the engine; all engine access happens on it."""
 
-    def __init__(self, engine):
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -14,13 +14,13 @@ from systems.hardware import resolve_dtype
 class _StepClock:
     """A stopping criterion that stamps each decoding step and ends rows at EOS or a stop string."""
 
-    def __init__(self, tokenizer, requests: Sequence[GenerationRequest], prompt_width: int, eos_ids: set[int]):
+    def __init__(self, tokenizer: Any, requests: Sequence[GenerationRequest], prompt_width: int, eos_ids: set[int]):
         self.tokenizer, self.requests, self.width, self.eos = tokenizer, requests, prompt_width, eos_ids
         self.times: list[list[float]] = [[] for _ in requests]
         self.done = [False] * len(requests)
         self.reason = ["length"] * len(requests)
 
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         now = time.perf_counter()
         for i, req in enumerate(self.requests):
             if self.done[i]:

@@ -120,7 +120,7 @@ def _check_chars(n: int, max_chars: int | None, param: str) -> None:
                        "tokens; shorten the prompt", param=param)
 
 
-def completion_prompt(body: dict, tokenizer, vocab: int, max_chars: int | None = None) -> list[int]:
+def completion_prompt(body: dict, tokenizer: Any, vocab: int, max_chars: int | None = None) -> list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -146,7 +146,7 @@ def _content(message: dict, i: int) -> str:
     raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
-def chat_prompt(body: dict, tokenizer, max_chars: int | None = None) -> list[int]:
+def chat_prompt(body: dict, tokenizer: Any, max_chars: int | None = None) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -175,7 +175,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def parse_body(body: Any, chat: bool, tokenizer, engine, model_name: str, max_chars: int | None = None) -> Params:
+def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: str, max_chars: int | None = None
+               ) -> Params:
     """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix.
     `max_chars`: the longest text prompt worth tokenizing (see max_prompt_chars); None tokenizes any."""
     if not isinstance(body, dict):
@@ -247,7 +248,7 @@ def sse_chunk(request_id: str, model: str, chat: bool, choices: list, usage: dic
     return b"data: " + json.dumps(body, ensure_ascii=False).encode() + b"\n\n"
 
 
-def max_prompt_chars(tokenizer, max_model_len: int) -> int:
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
     """Characters beyond which a text prompt cannot fit max_model_len tokens: no token's text is longer than its
     vocabulary string (byte-level BPE: one character per byte; SentencePiece: one per character), doubled for
     normalizers that shorten text."""
@@ -258,7 +259,7 @@ def max_prompt_chars(tokenizer, max_model_len: int) -> int:
 class Detokenizer:
     """Incremental text for streamed token ids (vLLM's prefix/read-offset scheme), cut before stop strings."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.prefix = self.read = 0

@@ -33,8 +33,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -50,8 +52,8 @@ OUTCOMES = ("completed", "rejected", "invalid", "too_large", "failed", "aborted"
 class OpenAIServer:
     """The HTTP side: validation, admission (bounded queue), SSE framing, counters."""
 
-    def __init__(self, system, model_name: str, max_queue: int = 64, retry_after_s: int = 1,
-                 max_body_bytes: int | None = None):
+    def __init__(self, system: Any, model_name: str, max_queue: int = 64, retry_after_s: int = 1,
+                 max_body_bytes: int | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
         self.system, self.model_name = system, model_name
@@ -91,7 +93,7 @@ class OpenAIServer:
         self.workers.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
-    async def _count_status(self, request: web.Request, handler) -> web.StreamResponse:
+    async def _count_status(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """Every response counted by status; an unexpected exception becomes a JSON 500, never a bare traceback."""
         try:
             resp = await handler(request)
@@ -218,7 +220,7 @@ class OpenAIServer:
             if not live.done:
                 self.loop.abort(live)
 
-    async def _events(self, live: Live, detok: Detokenizer):
+    async def _events(self, live: Live, detok: Detokenizer) -> AsyncIterator[tuple[str, str | None]]:
         """(text delta, finish_reason or None) per engine step; raises ApiError on an engine failure."""
         while True:
             event = await live.events.get()
@@ -309,11 +311,11 @@ class RunningServer:
     def __enter__(self) -> RunningServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
+def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
                     retry_after_s: int = 1, max_body_bytes: int | None = None) -> RunningServer:
     """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread."""
     server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s,
@@ -331,7 +333,7 @@ def start_in_thread(system, model_name: str, host: str = "127.0.0.1", port: int 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m systems.server", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True,
-                   help="local HF safetensors folder (`python -m harness.serve` defaults it to the embedded SmolLM2)")
+                   help="local HF safetensors folder (`python -m harness.integrations.serve` gives the embedded one)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
     p.add_argument("--policy", default="dense", help="module name in systems/policies")
     p.add_argument("--params", default="{}", help="policy hyperparameters as JSON, e.g. '{\"budget\": 512}'")
@@ -341,12 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which the server answers 503")
     p.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503")
+    p.add_argument("--engine", default="{}", help="the engine config (systems/engine/config.py) as one JSON object, "
+                                                  "e.g. '{\"page_size\": 16, \"device_memory_gb\": 2}'")
     p.add_argument("--max-body-mb", type=float,
                    help="request bodies beyond this many MiB get 413 unread (default: 128 bytes per context token, "
                         "at least 1 MiB)")
     for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
-        p.add_argument(f"--{flag}", type=kind, help="engine setting (default: the engine's)")
+        p.add_argument(f"--{flag}", type=kind, help="engine setting, over --engine (default: the engine's)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole in its own step instead of in chunks beside the decodes")
     return p
@@ -354,9 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from types import SimpleNamespace
-
-    from systems.registry import SystemConfigError, check_policy
+    from systems.engine.config import EngineConfig
+    from systems.registry import SystemConfigError, parse_policy
 
     try:
         params = json.loads(args.params)
@@ -372,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --max-body-mb {args.max_body_mb} must be positive", file=sys.stderr)
         return 2
     try:
-        check_policy(args.policy, params)       # a typo costs a second, not a model load
+        policy = parse_policy(args.policy, params)   # a typo costs a second, not a model load
     except SystemConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -383,13 +386,17 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"error: --model {args.model} has no config.json; pass a local HF safetensors folder", file=sys.stderr)
         return 2
-    engine_cfg = SimpleNamespace(**{k: v for k, v in (
-        ("page_size", args.page_size), ("device_memory_gb", args.device_memory_gb),
-        ("host_memory_gb", args.host_memory_gb), ("max_num_seqs", args.max_num_seqs),
-        ("max_num_batched_tokens", args.max_num_batched_tokens), ("threads", args.threads),
-        ("chunked_prefill", False if args.no_chunked_prefill else None)) if v is not None})
+    try:
+        engine_cfg = EngineConfig.coerce({**json.loads(args.engine), **{k: v for k, v in (
+            ("page_size", args.page_size), ("device_memory_gb", args.device_memory_gb),
+            ("host_memory_gb", args.host_memory_gb), ("max_num_seqs", args.max_num_seqs),
+            ("max_num_batched_tokens", args.max_num_batched_tokens), ("threads", args.threads),
+            ("chunked_prefill", False if args.no_chunked_prefill else None)) if v is not None}})
+    except (ValueError, TypeError) as exc:
+        print(f"error: --engine: {exc}", file=sys.stderr)
+        return 2
     name = args.served_model_name or Path(args.model).resolve().name
-    system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype,
+    system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype, policy=policy,
                           name=f"engine-{args.policy}", max_model_len=args.max_model_len)
     server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after,
                           max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))

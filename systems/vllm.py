@@ -39,6 +39,7 @@ import urllib.request
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from systems.base import Completion, GenerationRequest, MemoryReport
 
@@ -62,7 +63,7 @@ def _dtype_name(dtype: str) -> str:
     return dtype_name(dtype, "cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _require_vllm():
+def _require_vllm() -> Any:
     try:
         import vllm
     except ImportError as err:
@@ -120,14 +121,15 @@ class VLLMSystem:
         class PeakKVUsage(StatLoggerBase):
             """Keeps the highest KV usage the scheduler reported, one sample per engine step."""
 
-            def __init__(self, vllm_config=None, engine_index: int = 0):
+            def __init__(self, vllm_config: Any = None, engine_index: int = 0) -> None:
                 self.peak = 0.0
 
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:
                     self.peak = max(self.peak, scheduler_stats.kv_cache_usage)
 
-            def log_engine_initialized(self):
+            def log_engine_initialized(self) -> None:
                 pass
 
         self._kv_usage = PeakKVUsage()
@@ -203,7 +205,7 @@ class VLLMSystem:
     def __enter__(self) -> VLLMSystem:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- helpers -----------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ class VLLMSystem:
         return (2 * model.get_num_layers(cfg.parallel_config) * model.get_num_kv_heads(cfg.parallel_config)
                 * model.get_head_size() * cache.block_size * elem)
 
-    def _sampling_params(self, r: GenerationRequest):
+    def _sampling_params(self, r: GenerationRequest) -> Any:
         greedy = r.temperature <= 0.0
         return self._vllm.SamplingParams(
             temperature=0.0 if greedy else r.temperature, top_p=1.0 if greedy else r.top_p,
@@ -227,7 +229,7 @@ class VLLMSystem:
             stop=list(r.stop) or None, output_kind=self._delta)
 
     @staticmethod
-    def _absorb(stream: _Stream, out, stamp: float) -> None:
+    def _absorb(stream: _Stream, out: Any, stamp: float) -> None:
         piece = out.outputs[0]
         stream.text += piece.text
         stream.token_ids.extend(piece.token_ids)
@@ -283,7 +285,7 @@ class VLLMServer:
     def __enter__(self) -> VLLMServer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

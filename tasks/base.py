@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import importlib
+import importlib.metadata
 import random
 import types
 import typing
@@ -57,7 +58,7 @@ class Task:
         self.name, self.params, self.seed, self.limit, self.fraction = name, params, seed, limit, fraction
 
     # -- to implement ---------------------------------------------------------------------------
-    def build_samples(self, tokenizer) -> list[Sample]:
+    def build_samples(self, tokenizer: Any) -> list[Sample]:
         raise NotImplementedError
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -75,7 +76,7 @@ class Task:
         return None
 
     # -- shared ---------------------------------------------------------------------------------
-    def samples(self, tokenizer) -> list[Sample]:
+    def samples(self, tokenizer: Any) -> list[Sample]:
         """All samples, then a deterministic subset by seed when `limit` or `fraction` is set."""
         items = self.build_samples(tokenizer)
         n = len(items)
@@ -89,7 +90,7 @@ class Task:
         return items
 
 
-def chat_prompt_ids(tokenizer, text: str, system_prompt: str | None = None,
+def chat_prompt_ids(tokenizer: Any, text: str, system_prompt: str | None = None,
                     turns: Sequence[tuple[str, str]] = ()) -> list[int]:
     """The model's chat template around one user message (after the earlier exchanges `turns`), ending with the
     assistant turn's opening (what the harness sends; tasks use it to measure whole prompts in the model's tokens)."""
@@ -125,15 +126,36 @@ def _check_types(name: str, schema: type, params: dict) -> None:
             raise TaskError(f"task {name!r}: params.{key} must be a string, got {value!r}")
 
 
+ENTRY_POINTS = "kvharness.tasks"
+
+
 def task_class(family: str) -> type[Task]:
-    """The TASK class of `tasks.<family>`."""
+    """The TASK class of `tasks.<family>`, else of an installed package's entry point in the group `kvharness.tasks`
+    (`family = "package.module:TaskClass"`, or a module exposing TASK): a task family added without touching this
+    tree."""
     try:
         module = importlib.import_module(f"tasks.{family}")
     except ModuleNotFoundError as exc:
         if exc.name != f"tasks.{family}":
             raise
-        raise TaskError(f"unknown task family {family!r}: add tasks/{family}.py or fix task.family") from None
-    return module.TASK
+        ep = next((e for e in importlib.metadata.entry_points(group=ENTRY_POINTS) if e.name == family), None)
+        if ep is None:
+            raise TaskError(f"unknown task family {family!r}: add tasks/{family}.py, install a package with a "
+                            f"`{ENTRY_POINTS}` entry point named {family!r}, or fix task.family") from None
+        module = ep.load()
+    cls = getattr(module, "TASK", module)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"task family {family!r} must be a subclass of tasks.base.Task (or a module exposing TASK)")
+    return cls
+
+
+def task_families() -> list[str]:
+    """Every task family: modules of tasks/ exposing TASK, and installed entry points."""
+    from pathlib import Path
+
+    here = [p.stem for p in Path(__file__).parent.glob("[a-z]*.py")
+            if "\nTASK = " in p.read_text(encoding="utf-8")]
+    return sorted({*here, *(e.name for e in importlib.metadata.entry_points(group=ENTRY_POINTS))})
 
 
 def load_task(family: str, name: str, params: dict, seed: int = 0, limit: int | None = None,

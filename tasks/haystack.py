@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 import random
 import re
+from typing import Any
 
 from tasks.base import TaskError
 
@@ -40,7 +41,7 @@ def essays() -> tuple[tuple[str, str], ...]:
                  for p in sorted(essay_dir().glob("*.txt")))
 
 
-def count_tokens(tokenizer, text: str) -> int:
+def count_tokens(tokenizer: Any, text: str) -> int:
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -49,7 +50,7 @@ def sentence_starts(text: str) -> list[int]:
     return [0] + [m.end() for m in _SENTENCE_END.finditer(text) if m.end() < len(text)]
 
 
-def build_context(tokenizer, n_tokens: int, rng: random.Random) -> str:
+def build_context(tokenizer: Any, n_tokens: int, rng: random.Random) -> str:
     """About `n_tokens` tokens of essays in a seeded order, cut back to a whole sentence."""
     if n_tokens <= 0:
         raise TaskError(f"haystack budget is {n_tokens} tokens: raise the context length in task.params.lengths")
@@ -70,7 +71,7 @@ def build_context(tokenizer, n_tokens: int, rng: random.Random) -> str:
     return text[: starts[-1]].rstrip() if len(starts) > 1 else text
 
 
-def char_at_depth(tokenizer, text: str, depth: float) -> int:
+def char_at_depth(tokenizer: Any, text: str, depth: float) -> int:
     """Start of the sentence in which token `int(len * depth / 100)` lies (text end for depth 100)."""
     if depth >= 100:
         return len(text)
@@ -79,7 +80,7 @@ def char_at_depth(tokenizer, text: str, depth: float) -> int:
     return max(s for s in sentence_starts(text) if s <= target)
 
 
-def insert_at_depths(tokenizer, text: str, items: list[tuple[float, str]], sep: str = " ") -> str:
+def insert_at_depths(tokenizer: Any, text: str, items: list[tuple[float, str]], sep: str = " ") -> str:
     """Insert each sentence at the sentence boundary nearest below its depth percent, `sep` around it."""
     cuts = sorted(((char_at_depth(tokenizer, text, d), i, s) for i, (d, s) in enumerate(items)), reverse=True)
     for pos, _, sentence in cuts:     # deepest first, so earlier offsets stay valid

@@ -141,7 +141,7 @@ def judge_gold(gold: str) -> tuple[str, str]:
     return loyalty.strip(), fact[:-1].strip()
 
 
-def right_truncate(tokenizer, document: str, max_tokens: int, keep_tail: bool) -> str:
+def right_truncate(tokenizer: Any, document: str, max_tokens: int, keep_tail: bool) -> str:
     """L-Eval's cut: keep max_tokens - cnt space-separated words, cnt += 250, until the tokens fit."""
     cnt = 0
     while haystack.count_tokens(tokenizer, document) > max_tokens:
@@ -166,7 +166,7 @@ class LEval(Task):
         hub_timeout_s: float = 5.0
         on_malformed: str = "skip"          # skip | fail
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         p = self.params
         self.tasks: list[str] = []
@@ -207,7 +207,7 @@ class LEval(Task):
             return "'evaluation' is missing"
         return None
 
-    def build_samples(self, tokenizer) -> list[Sample]:
+    def build_samples(self, tokenizer: Any) -> list[Sample]:
         out: list[Sample] = []
         budget = self.params.max_length - self.params.max_new_tokens
         for task in self.tasks:
@@ -226,7 +226,7 @@ class LEval(Task):
                     out += self._samples(task, f"{task}-{d}-{q}", document, inst, gold, row["evaluation"])
         return out
 
-    def _samples(self, task, sid, document, inst, gold, evaluation) -> list[Sample]:
+    def _samples(self, task: str, sid: str, document: str, inst: str, gold: Any, evaluation: str) -> list[Sample]:
         meta = {"task": task, "evaluation": evaluation, "gold": gold}
         if task in ("gsm100", "codeU", "topic_retrieval_longchat"):
             prompt, system = f"{document}\n\n{inst}", SYSTEM_PROMPTS[task]

@@ -98,7 +98,7 @@ class LongBench(Task):
         hub_timeout_s: float = 5.0         # reachability probe before any download
         on_malformed: str = "skip"         # skip (counted in the summary) | fail
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         p = self.params
         self.datasets = resolve(p.datasets)
@@ -116,7 +116,7 @@ class LongBench(Task):
         return sources.hub_rows(self.params.hub_repo, config, "test", "task.params.data_dir",
                                 self.params.hub_timeout_s)
 
-    def build_samples(self, tokenizer=None) -> list[Sample]:
+    def build_samples(self, tokenizer: Any = None) -> list[Sample]:
         out: list[Sample] = []
         for ds in self.datasets:
             good, bad = [], 0

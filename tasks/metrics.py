@@ -16,6 +16,7 @@ import string
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
+from typing import Any
 
 _EN_PUNCT = set(string.punctuation)
 _ZH_PUNCT = _EN_PUNCT | set("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣"
@@ -39,7 +40,7 @@ def normalize_zh(text: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def _jieba():
+def _jieba() -> Any:
     import jieba
     jieba.setLogLevel(60)          # its dictionary-loading banner is noise in logs
     return jieba
@@ -59,17 +60,17 @@ def token_f1(prediction: Sequence[str], reference: Sequence[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def qa_f1(prediction: str, reference: str, **_) -> float:
+def qa_f1(prediction: str, reference: str, **_: Any) -> float:
     return token_f1(normalize_en(prediction).split(), normalize_en(reference).split())
 
 
-def qa_f1_zh(prediction: str, reference: str, **_) -> float:
-    def tokens(text):
+def qa_f1_zh(prediction: str, reference: str, **_: Any) -> float:
+    def tokens(text: str) -> list[str]:
         return [t for t in (normalize_zh(tok) for tok in segment_zh(text)) if t]
     return token_f1(tokens(prediction), tokens(reference))
 
 
-def rouge_l(prediction: str, reference: str, **_) -> float:
+def rouge_l(prediction: str, reference: str, **_: Any) -> float:
     """ROUGE-L F of the `rouge` package; any exception (empty hypothesis, recursion depth) scores 0."""
     from rouge import Rouge
     try:
@@ -78,11 +79,11 @@ def rouge_l(prediction: str, reference: str, **_) -> float:
         return 0.0
 
 
-def rouge_l_zh(prediction: str, reference: str, **_) -> float:
+def rouge_l_zh(prediction: str, reference: str, **_: Any) -> float:
     return rouge_l(" ".join(segment_zh(prediction)), " ".join(segment_zh(reference)))
 
 
-def classification(prediction: str, reference: str, *, all_classes: Sequence[str], **_) -> float:
+def classification(prediction: str, reference: str, *, all_classes: Sequence[str], **_: Any) -> float:
     """1/len(matches) when the gold class is among the class names found in the prediction."""
     matched = [c for c in all_classes if c in prediction]
     i = 0
@@ -100,15 +101,15 @@ def _digit_share(prediction: str, gold: str) -> float:
     return sum(n == gold for n in numbers) / len(numbers) if numbers else 0.0
 
 
-def retrieval(prediction: str, reference: str, **_) -> float:
+def retrieval(prediction: str, reference: str, **_: Any) -> float:
     return _digit_share(prediction, re.findall(r"Paragraph (\d+)", reference)[0])
 
 
-def retrieval_zh(prediction: str, reference: str, **_) -> float:
+def retrieval_zh(prediction: str, reference: str, **_: Any) -> float:
     return _digit_share(prediction, re.findall(r"段落(\d+)", reference)[0])
 
 
-def count(prediction: str, reference: str, **_) -> float:
+def count(prediction: str, reference: str, **_: Any) -> float:
     return _digit_share(prediction, str(reference))
 
 
@@ -122,7 +123,7 @@ def fuzz_ratio(a: str, b: str) -> int:
     return int(round(fuzz.ratio(a, b)))
 
 
-def code_sim(prediction: str, reference: str, **_) -> float:
+def code_sim(prediction: str, reference: str, **_: Any) -> float:
     """Edit similarity of the first generated line that is not a comment or a code fence."""
     line = next((ln for ln in prediction.lstrip("\n").split("\n")
                  if "`" not in ln and "#" not in ln and "//" not in ln), "")
@@ -142,7 +143,7 @@ def first_line(prediction: str) -> str:
 
 
 def best_over_references(metric: Callable[..., float], prediction: str, references: Iterable[str],
-                         **kwargs) -> float:
+                         **kwargs: Any) -> float:
     return max([0.0] + [metric(prediction, ref, **kwargs) for ref in references])
 
 
@@ -179,7 +180,7 @@ def split_sentences(text: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def _rouge_scorer():
+def _rouge_scorer() -> Any:
     from rouge_score import rouge_scorer
     return rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=False)
 

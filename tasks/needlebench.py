@@ -20,6 +20,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tasks import haystack
 from tasks.base import Sample, Task, TaskError
@@ -145,7 +146,7 @@ class NeedleBench(Task):
         max_new_tokens: int = 64
         needles_file: str | None = None                     # null = tasks/data/needles.json
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         p = self.params
         if p.mode not in MODES:
@@ -164,7 +165,7 @@ class NeedleBench(Task):
                             f"task.params.needles_file or use fewer depths")
 
     # -- samples ---------------------------------------------------------------------------------
-    def build_samples(self, tokenizer) -> list[Sample]:
+    def build_samples(self, tokenizer: Any) -> list[Sample]:
         p, out = self.params, []
         for length in p.lengths:
             for r in range(p.repeats):
@@ -178,11 +179,11 @@ class NeedleBench(Task):
                         out += [self._mrs(tokenizer, int(length), depth, k, r) for k in p.needle_counts]
         return out
 
-    def _rng(self, *key) -> random.Random:
+    def _rng(self, *key: object) -> random.Random:
         key = tuple(_fmt(k) if isinstance(k, float) else k for k in key)   # 10 and 10.0 seed alike
         return random.Random(":".join(map(str, (self.seed, self.params.mode) + key)))
 
-    def _render(self, tokenizer, length: int, rng: random.Random, placed: list[tuple[float, str]],
+    def _render(self, tokenizer: Any, length: int, rng: random.Random, placed: list[tuple[float, str]],
                 ask: str) -> tuple[str, int]:
         """Prompt of about `length` tokens: intro, haystack with the needles inserted, then the question."""
         def prompt(context: str) -> str:
@@ -196,7 +197,7 @@ class NeedleBench(Task):
         return Sample(id=sid, prompt=text, answers=answers, max_new_tokens=self.params.max_new_tokens,
                       truncation="none", meta={"mode": self.params.mode, **meta})
 
-    def _srt(self, tokenizer, length: int, depth: float, r: int) -> Sample:
+    def _srt(self, tokenizer: Any, length: int, depth: float, r: int) -> Sample:
         rng = self._rng(length, depth, r)
         needle = rng.choice(self.needles)
         text, n = self._render(tokenizer, length, rng, [(depth, needle.needle)],
@@ -205,7 +206,7 @@ class NeedleBench(Task):
                             {"length": length, "depth": depth, "repeat": r, "needle_id": needle.id,
                              "keyword": needle.keyword, "prompt_tokens": n})
 
-    def _mrt(self, tokenizer, length: int, r: int) -> Sample:
+    def _mrt(self, tokenizer: Any, length: int, r: int) -> Sample:
         rng = self._rng(length, r)
         chosen = rng.sample(self.needles, len(self.params.depths))
         questions = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
@@ -216,7 +217,7 @@ class NeedleBench(Task):
         return self._sample(f"mrt-len{length}-r{r}", text, tuple(n.keyword for n in chosen),
                             {"length": length, "repeat": r, "needles": needles, "prompt_tokens": n_tok})
 
-    def _mrs(self, tokenizer, length: int, depth: float, k: int, r: int) -> Sample:
+    def _mrs(self, tokenizer: Any, length: int, depth: float, k: int, r: int) -> Sample:
         if len(self.first_names) * len(self.last_names) < k + 1:
             raise TaskError("too few names for M-RS chains: add first_names/last_names to task.params.needles_file")
         rng = self._rng(length, depth, k, r)

@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from tasks import haystack
 from tasks.base import Sample, Task, TaskError
@@ -31,7 +32,7 @@ PHRASE_WORDS = 10
 
 
 @lru_cache(maxsize=1)
-def _scorer():
+def _scorer() -> Any:
     from rouge_score import rouge_scorer
     return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
 
@@ -56,7 +57,7 @@ class Recall(Task):
         repeats: int = 1
         style: str = "completion"             # completion (raw prompt ends with the first words) | chat
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         p = self.params
         if not p.passage_tokens or any(not 32 <= n <= 1024 for n in p.passage_tokens):
@@ -70,12 +71,12 @@ class Recall(Task):
         if p.repeats < 1 or (p.max_new_tokens is not None and p.max_new_tokens < 1):
             raise TaskError("task.params.repeats and task.params.max_new_tokens must be positive")
 
-    def build_samples(self, tokenizer) -> list[Sample]:
+    def build_samples(self, tokenizer: Any) -> list[Sample]:
         p = self.params
         return [self._sample(tokenizer, int(c), d, int(n), r)
                 for c in p.context_tokens for n in p.passage_tokens for d in p.depths for r in range(p.repeats)]
 
-    def _paragraphs(self, tokenizer, budget: int, size: int, rng: random.Random) -> list[str]:
+    def _paragraphs(self, tokenizer: Any, budget: int, size: int, rng: random.Random) -> list[str]:
         """Paragraphs of about `size` tokens (whole sentences), two from each of many essays, within `budget`."""
         order = list(haystack.essays())
         rng.shuffle(order)
@@ -97,7 +98,7 @@ class Recall(Task):
                         break
         raise TaskError("the essays are too short for this context: lower task.params.context_tokens")
 
-    def _sample(self, tokenizer, context: int, depth: float, size: int, r: int) -> Sample:
+    def _sample(self, tokenizer: Any, context: int, depth: float, size: int, r: int) -> Sample:
         rng = random.Random(f"{self.seed}:recall:{context}:{depth:g}:{size}:{r}")
         dummy = "x " * PHRASE_WORDS
         scaffold = max(haystack.count_tokens(tokenizer, f"{INTRO}\n\n{ask.format(phrase=dummy, label=LABEL)}")

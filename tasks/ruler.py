@@ -43,6 +43,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tasks import ruler_data as gen
 from tasks import sources
@@ -100,7 +101,7 @@ class Ruler(Task):
         data_dir: str | None = None         # qa: folder with RULER's squad.json / hotpotqa.json; null = the hub
         hub_timeout_s: float = 5.0
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         p = self.params
         unknown = sorted(set(p.tasks) - set(TASKS))
@@ -136,7 +137,7 @@ class Ruler(Task):
             lambda t: t)
         return "".join(wrap(user) + answer + "\n" for user, answer in d.shots) + wrap(d.text), ()
 
-    def _counter(self, tokenizer) -> Callable[[gen.Draft], int]:
+    def _counter(self, tokenizer: Any) -> Callable[[gen.Draft], int]:
         """Prompt tokens exactly as the harness renders the sample (chat template, or BOS + raw text, + prefix)."""
         probe = tokenizer.encode("a", add_special_tokens=True)
         bos = int(bool(probe) and tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id)
@@ -149,7 +150,7 @@ class Ruler(Task):
             return bos + len(tokenizer.encode(text, add_special_tokens=False)) + prefix
         return count
 
-    def _rng(self, *key) -> random.Random:
+    def _rng(self, *key: object) -> random.Random:
         return random.Random(":".join(map(str, (self.seed, "ruler") + key)))
 
     @staticmethod
@@ -170,7 +171,8 @@ class Ruler(Task):
                 high = mid - 1
         return best or step
 
-    def _fit(self, make: Callable[[int, random.Random], gen.Draft], count, size: int, step: int, budget: int,
+    def _fit(self, make: Callable[[int, random.Random], gen.Draft], count: Callable[[gen.Draft], int],
+             size: int, step: int, budget: int,
              rng_key: tuple) -> tuple[gen.Draft, int]:
         """One sample at the searched size; while it is over budget RULER's fallback rebuilds it one step smaller if
         it is larger than one step (620 essay words -> 120), else at the same size with new random draws."""
@@ -185,7 +187,7 @@ class Ruler(Task):
                         f"task.params.lengths")
 
     # ---- samples -----------------------------------------------------------------------------------------------
-    def build_samples(self, tokenizer) -> list[Sample]:
+    def build_samples(self, tokenizer: Any) -> list[Sample]:
         if self.prompt_format == "plain":
             _, self._wrapper = gen.plain_wrapper(tokenizer)
         count = self._counter(tokenizer)
@@ -199,7 +201,8 @@ class Ruler(Task):
         """A length counts generation too: its prompts hold up to length - tokens_to_generate tokens."""
         return max(int(n) - TOKENS_TO_GENERATE[kind_of(t)] for t in self.params.tasks for n in self.params.lengths)
 
-    def _task_samples(self, task: str, length: int, count, tokenizer) -> list[Sample]:
+    def _task_samples(self, task: str, length: int, count: Callable[[gen.Draft], int], tokenizer: Any
+                      ) -> list[Sample]:
         kind, n = kind_of(task), self.params.num_samples
         ttg = TOKENS_TO_GENERATE[kind]
         budget = length - ttg                     # prompt tokens allowed
@@ -237,8 +240,9 @@ class Ruler(Task):
             size = self._search(lambda m: gen.qa(questions[0], documents, m, probe_rng, seed), count, budget, step)
             samples = []
             for i in range(n):
-                draft, tokens = self._fit(lambda m, rng, i=i: gen.qa(questions[i], documents, m, rng, seed), count,
-                                          size, step, budget, (task, length, i))
+                def make(m: int, rng: random.Random, question: dict = questions[i]) -> gen.Draft:
+                    return gen.qa(question, documents, m, rng, seed)
+                draft, tokens = self._fit(make, count, size, step, budget, (task, length, i))
                 samples.append(self._sample(task, length, i, draft, tokens, ttg))
             return samples
         samples = []
@@ -247,14 +251,14 @@ class Ruler(Task):
             samples.append(self._sample(task, length, i, draft, tokens, ttg))
         return samples
 
-    def _search_example(self, tokenizer) -> gen.Draft:
+    def _search_example(self, tokenizer: Any) -> gen.Draft:
         """vt's one-shot example: RULER builds it once at a 500-token budget, counted without a model wrapper."""
         raw = lambda d: len(tokenizer.encode(d.text + d.prefix, add_special_tokens=False))  # noqa: E731
         rng = self._rng("vt", "example")
         size = self._search(lambda m: gen.vt(m, rng, example=True), raw, 500, 5)
         return gen.vt(size, self._rng("vt", "example", "final"), example=True)
 
-    def _fwe_samples(self, task: str, length: int, count, ttg: int) -> list[Sample]:
+    def _fwe_samples(self, task: str, length: int, count: Callable[[gen.Draft], int], ttg: int) -> list[Sample]:
         max_len = length - ttg
         step = max(1, max_len // 32)
         vocab_size = max_len // 50

@@ -45,7 +45,7 @@ def hub_reachable(timeout_s: float) -> bool:
     port = url.port or (443 if url.scheme == "https" else 80)
     ok = []
 
-    def probe():
+    def probe() -> None:
         try:
             socket.create_connection((url.hostname, port), timeout=timeout_s).close()
             ok.append(True)
@@ -57,7 +57,7 @@ def hub_reachable(timeout_s: float) -> bool:
     return bool(ok)
 
 
-def hub_rows(repo: str, config: str, split: str, key: str, timeout_s: float, revision: str | None = None
+def hub_rows(repo: str, config: str | None, split: str, key: str, timeout_s: float, revision: str | None = None
              ) -> list[dict]:
     """`datasets.load_dataset(repo, config, split=split)` as plain dicts; the hub's cache serves offline runs."""
     where = f"dataset {repo!r} config {config!r}"

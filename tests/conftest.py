@@ -10,7 +10,7 @@ torch.set_num_threads(1)  # tiny models: threads only add contention on a shared
 @pytest.fixture(scope="session")
 def tokenizer_dir():
     """The embedded SmolLM2 folder; only its tokenizer files are used by tiny-model tests."""
-    from harness.assets import prepare
+    from harness.integrations.assets import prepare
     return prepare(progress=False)
 
 

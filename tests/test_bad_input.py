@@ -6,8 +6,9 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from harness.runner import CONF_DIR, USER_ERRORS, resolve_cells, validate
-from harness.schema import register
+from harness.running.config import CONF_DIR, USER_ERRORS
+from harness.running.driver import prepare
+from harness.running.schema import register
 from systems.registry import SystemConfigError
 
 register()
@@ -65,7 +66,7 @@ def _compose(overrides):
 
 
 def _check_model_path(cfg):
-    from harness.assets import model_dir
+    from harness.integrations.assets import model_dir
     if cfg.model.path:
         model_dir(cfg.model.path)
 
@@ -74,7 +75,7 @@ def _check_model_path(cfg):
 def test_bad_config_fails_in_one_line(overrides, phrase, tmp_path):
     with pytest.raises((ConfigCompositionException, *USER_ERRORS, SystemConfigError, ValueError)) as info:
         cfg = _compose([*overrides, f"results_dir={tmp_path}"])
-        validate(cfg, resolve_cells(cfg))
+        prepare(cfg)
         _check_model_path(cfg)
     exc = info.value
     text = str(exc) + str(getattr(exc, "__cause__", "") or "")
@@ -87,7 +88,7 @@ def test_enough_cases():
 
 
 def test_prompt_too_long_with_truncation_off():
-    from harness.prompts import render_all
+    from harness.running.prompts import render_all
     from tasks.base import Sample, TaskError
 
     class Tok:
@@ -102,7 +103,7 @@ def test_prompt_too_long_with_truncation_off():
 def test_device_pool_too_small_names_the_size(tiny_llama_dir):
     from omegaconf import OmegaConf
 
-    from harness.schema import SystemConfig
+    from harness.running.schema import SystemConfig
     from systems.registry import check_capacity
     sys_cfg = OmegaConf.merge(OmegaConf.structured(SystemConfig),
                               {"name": "engine-dense", "backend": "engine", "engine": {"device_memory_gb": 1e-5}})
@@ -137,7 +138,7 @@ def test_unreachable_hub_names_the_key(monkeypatch):
 
 
 def test_corrupted_model_cache_is_detected(tmp_path):
-    from harness.assets import MARKER, _fingerprint, is_verified
+    from harness.integrations.assets import MARKER, _fingerprint, is_verified
     folder = tmp_path / "m"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x" * 100)
@@ -168,7 +169,6 @@ SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_val
 
 
 def _system_files():
-    from harness.runner import CONF_DIR
     return sorted(p.stem for p in (CONF_DIR / "system").glob("*.yaml"))
 
 
@@ -178,8 +178,9 @@ def test_every_system_file_validates(name, tmp_path):
     configure on the shipped model's shape); only its config.json is read: the folder holds no weights."""
     import json
 
-    from harness.runner import check_budget, load_group
-    from harness.schema import ModelConfig, SystemConfig
+    from harness.running.config import load_group
+    from harness.running.grid import check_budget
+    from harness.running.schema import ModelConfig, SystemConfig
     from systems.registry import check_dims, check_system
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     system = load_group("system", name, SystemConfig)
@@ -192,13 +193,13 @@ def test_every_system_file_validates(name, tmp_path):
 def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
     import json
 
-    from harness.runner import load_group
-    from harness.schema import SystemConfig
-    from systems.registry import check_capacity
+    from harness.running.config import load_group
+    from harness.running.schema import SystemConfig
+    from systems.registry import backend_of, check_capacity
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
     system = load_group("system", name, SystemConfig)
-    if system.backend != "engine":
-        pytest.skip("the pool is the engine's; hf and vllm size their own")
+    if not backend_of(system).kv_capacity:
+        pytest.skip("a backend without a checked device pool (hf, vllm) sizes its own")
     system.engine.device_memory_gb = 1e-4
     with pytest.raises(SystemConfigError) as err:
         check_capacity(system, tmp_path, 2, prompt_len=4000, max_new_tokens=16, max_model_len=8192)
@@ -206,7 +207,8 @@ def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
 
 
 def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llama_dir):
-    from harness.runner import UserError, run
+    from harness.running.config import UserError
+    from harness.running.driver import run
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     cfg = _compose(["+exp=quickstart", "exp.systems=[dense]", f"model.path={tiny_llama_dir}",
@@ -219,14 +221,15 @@ def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llam
 
 @pytest.mark.parametrize("exp", ["offline_throughput", "memory", "loaded_host", "online_sweep"])
 def test_speed_experiments_refuse_a_too_small_pool_before_loading(exp, tmp_path, tiny_llama_dir, monkeypatch):
-    import harness.accuracy_cells
-    import harness.online_cells
-    from harness.runner import UserError, run
+    import harness.experiments.online_sweep.rates
+    import harness.running.workspace
+    from harness.running.config import UserError
+    from harness.running.driver import run
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("a system was started before the capacity check")
-    monkeypatch.setattr(harness.accuracy_cells, "build_system", must_not_load)
-    monkeypatch.setattr(harness.online_cells, "start_server", must_not_load)
+    monkeypatch.setattr(harness.running.workspace, "build_system", must_not_load)
+    monkeypatch.setattr(harness.experiments.online_sweep.rates, "start_server", must_not_load)
     cfg = _compose([f"+exp={exp}", "exp.systems=[dense]", f"model.path={tiny_llama_dir}", "model.dtype=float32",
                     f"results_dir={tmp_path / 'results'}",
                     "++exp.params.system_overrides={engine:{device_memory_gb:0.00001}}"])

@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 from harness import __main__ as entry
-from harness.catalog import entries
+from harness.running.catalog import entries
 
 
 def test_help_lists_experiments_systems_and_tasks(monkeypatch, capsys):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from harness.cpu_usage import CpuMeter, process_tree
+from harness.measuring.cpu_usage import CpuMeter, process_tree
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

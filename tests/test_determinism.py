@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.runner import CONF_DIR, run
-from harness.schema import register
+from harness.running.config import CONF_DIR
+from harness.running.driver import run
+from harness.running.schema import register
 
 register()
 

@@ -6,8 +6,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness.experiments import duo_attention as duo
-from harness.runner import CONF_DIR, run
-from harness.schema import register
+from harness.running.config import CONF_DIR
+from harness.running.driver import run
+from harness.running.schema import register
 
 register()
 
@@ -49,7 +50,7 @@ def test_gates_train_and_become_an_lserve_profile(tiny_llama_dir, tmp_path):
             "exp.params.context_min=120", "exp.params.context_max=160", "exp.params.sink_tokens=8",
             "exp.params.recent_tokens=16", "exp.params.passkeys=2", "exp.params.passkey_words=4"])
     torch.set_num_threads(1)
-    metrics = run(cfg)
+    (metrics,) = run(cfg)
     gates = torch.tensor(metrics["gates"])
     assert gates.shape == (2, 2) and bool((gates < 1).all()) and bool((gates >= 0).all())   # L1 pulls them down
     # the L1 term alone would move every gate alike: distinct gates show the distillation gradient reached them

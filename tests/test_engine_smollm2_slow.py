@@ -31,7 +31,7 @@ NEEDLES = [
 
 
 def _haystack_ids(tokenizer, n_tokens: int) -> list[int]:
-    from harness.assets import essay_files
+    from harness.integrations.assets import essay_files
     ids: list[int] = []
     for path in essay_files():
         ids += tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
@@ -57,7 +57,7 @@ def _chat_prompt(tokenizer, text: str) -> list[int]:
 def test_smollm2_fp32_engine_equals_hf_greedy():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harness.assets import model_dir
+    from harness.integrations.assets import model_dir
     from systems.engine.engine import Engine
     from systems.policies import load_policy
     folder = str(model_dir())

@@ -4,8 +4,9 @@ import csv
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.runner import CONF_DIR, UserError, run
-from harness.schema import register
+from harness.running.config import CONF_DIR, UserError
+from harness.running.driver import run
+from harness.running.schema import register
 
 register()  # the structured config schema `python -m harness` registers on import
 
@@ -53,7 +54,7 @@ def test_accuracy_retention_sweeps_budgets(tiny_llama_dir, tmp_path):
 
 
 def test_budget_and_budgets_together_is_a_one_line_error(tiny_llama_dir, tmp_path):
-    from harness.runner import UserError
+    from harness.running.config import UserError
     with pytest.raises((UserError, SystemExit), match="budget"):
         _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]", "exp.tasks=[needlebench_srt]",
              "+exp.params.budgets=[32]", "exp.params.budget=64", f"exp.params.task_params={{{SRT}}}")
@@ -157,3 +158,14 @@ def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
     pairs = {(r["group"], r["system"], r["other"]) for r in rows if r["task"] in ("PAIRWISE", "PAIRWISE_TOP1")}
     assert pairs == {("budget 32", "engine-quest@32", "engine-streaming@32"),
                      ("budget 64", "engine-quest@64", "engine-streaming@64")}, pairs
+
+
+def test_quickstart_end_to_end(tiny_llama_dir, tmp_path):
+    """`make run` at CI's toy scale: accuracy cells beside a timed throughput cell, one summary."""
+    out, md, rows, pngs = _run("quickstart", tiny_llama_dir, tmp_path, "exp.systems=[dense,streaming]",
+                               "++exp.params.task_overrides={limit:2}", "exp.params.fidelity={steps:4,gold:false}",
+                               "exp.params.throughput.systems=[dense]", "exp.params.throughput.num_requests=2",
+                               "exp.params.throughput.input_len=300", "exp.params.throughput.output_len=4")
+    assert len(out) == 3 and out[-1]["system"] == "engine-dense" and out[-1]["output_tok_s"] > 0
+    assert any(r.get("part") == "throughput" for r in rows) and "Offline throughput" in md
+

@@ -4,9 +4,9 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from harness import grid as grid_lib
-from harness import plots
 from harness.experiments import cake_ablation, memory, needlebench
+from harness.reporting import plots
+from harness.running import grid as grid_lib
 
 
 def test_needlebench_length_depth_grid_from_rows():
@@ -70,8 +70,9 @@ def test_memory_analytic_counts():
 
 
 def test_variant_names_every_difference():
-    from harness.runner import GridCell, load_group
-    from harness.schema import SystemConfig, TaskConfig
+    from harness.running.config import load_group
+    from harness.running.grid import GridCell
+    from harness.running.schema import SystemConfig, TaskConfig
     s, t = load_group("system", "cake", SystemConfig), load_group("task", "needlebench_srt", TaskConfig)
     v = grid_lib.variant(GridCell(s, t, "x"), system_params={"allocation": "uniform"}, task_params={"lengths": [300]})
     assert v.key.startswith("engine-cake__needlebench_srt__") and "allocation=uniform" in v.key
@@ -91,8 +92,9 @@ def test_plots_write_png(tmp_path):
 
 
 def test_task_params_must_name_known_tasks():
-    from harness.runner import GridCell, UserError, load_group
-    from harness.schema import SystemConfig, TaskConfig
+    from harness.running.config import UserError, load_group
+    from harness.running.grid import GridCell
+    from harness.running.schema import SystemConfig, TaskConfig
     cell = GridCell(load_group("system", "dense", SystemConfig), load_group("task", "needlebench_srt", TaskConfig), "k")
     ok = OmegaConf.create({"exp": {"params": {"task_params": {"recall": {"repeats": 2}}}}})
     # a known task outside the grid is ignored
@@ -103,7 +105,7 @@ def test_task_params_must_name_known_tasks():
 
 
 def test_regenerate_line_merges_reruns_of_a_subset_and_made_by_names_every_command():
-    from harness import report
+    from harness.reporting import provenance as report
     cfg = OmegaConf.create({"exp": {"name": "accuracy_retention", "systems": ["dense", "quest", "cake"]}})
     full = "python -m harness +exp=accuracy_retention progress=false"
     rerun = "python -m harness +exp=accuracy_retention exp.systems=[dense,quest] results_dir=/tmp/x progress=false"
@@ -121,8 +123,8 @@ def test_regenerate_line_merges_reruns_of_a_subset_and_made_by_names_every_comma
 
 
 def test_made_by_names_the_code_that_wrote_a_summary_when_it_differs_from_the_cells():
-    from harness import report
-    from harness.envinfo import static_env
+    from harness.reporting import provenance as report
+    from harness.running.envinfo import static_env
     cfg = OmegaConf.create({"exp": {"name": "ruler", "systems": ["dense"]}})
     here = static_env()["code_hash"]
     old = report.provenance(cfg, [{"command_line": "python -m harness +exp=ruler", "code_hash": "0ld"}])
@@ -139,7 +141,9 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
     import numpy as np
 
     from harness.experiments import ruler
-    from harness.params import AccuracyParams
+    from harness.experiments.accuracy.params import AccuracyParams
+    from harness.running.experiment import Run
+    from harness.running.workspace import Workspace
     rng = np.random.default_rng(3)
     cells, rows_by_cell = [], {}
     for i, (system, keep) in enumerate((("engine-dense", 1.0), ("engine-a", 0.7), ("engine-b", 0.3))):
@@ -151,7 +155,8 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
             for t in ("niah_single_1", "vt", "cwe") for L in (1024, 2048) for j in range(12)]
     cfg = OmegaConf.create({"exp": {"name": "ruler", "systems": ["dense", "a", "b"]}, "model": {"dtype": "float32"}})
     p = AccuracyParams(reference="engine-dense")
-    paths = ruler.write_summary(cfg, p, cells, [c.system.name for c in cells], [], rows_by_cell, tmp_path)
+    run = Run(cfg, p, [], tmp_path, Workspace(cfg))
+    paths = ruler.write_summary(run, cells, [c.system.name for c in cells], [], rows_by_cell)
     md = open(paths["md"]).read()
     rows = list(csv_lib.DictReader(open(paths["csv"])))
     for system in ("engine-dense", "engine-a"):
@@ -163,3 +168,14 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
            f"{float(a['retention_ci_high']):.2f}]" in md
     assert "Every task has the same number of samples at each length" in md
     assert any(r["task"] == "PAIRWISE_TOP1" and r["system"] == "engine-a" for r in rows)
+
+
+def test_every_system_keeps_its_own_colour_without_a_list_of_names():
+    import yaml
+
+    from harness.running.config import CONF_DIR
+    names = sorted({yaml.safe_load(p.read_text())["name"] for p in (CONF_DIR / "system").glob("*.yaml")})
+    colours = {plots.colour(n) for n in names}
+    assert len(colours) == len(names), "two systems share a colour: move plots.SALT to the next one that separates them"
+    assert plots.colour("engine-quest@64") == plots.colour("engine-quest")            # a budget keeps the colour
+

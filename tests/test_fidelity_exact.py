@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import fidelity
+from harness.measuring import fidelity
 from systems.base import GenerationRequest
 
 STEPS = 8

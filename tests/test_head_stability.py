@@ -9,8 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from harness import stability
 from harness.experiments import head_stability
+from harness.experiments.head_stability import analysis as stability
 from systems.policies import load_policy
 from systems.policy_support import profiles
 
@@ -22,10 +22,15 @@ def _profile(task="t1", **kw):
 
 
 def test_profile_round_trip_and_validation(tmp_path):
-    path = profiles.save_profile(tmp_path / "p.json", _profile())
-    assert profiles.load_profile(path, "flexicache") == _profile()
+    from systems.policies import policy_class
+
+    schema = policy_class("flexicache").profile_schema           # the policy declares what its profile holds
+    path = profiles.save_profile(tmp_path / "p.json", _profile(), schema)
+    assert profiles.load_profile(path, "flexicache", schema) == _profile()
     with pytest.raises(ValueError, match="lacks"):
-        profiles.save_profile(tmp_path / "bad.json", {"kind": "flexicache", "model": "m"})
+        profiles.save_profile(tmp_path / "bad.json", {"kind": "flexicache", "model": "m"}, schema)
+    with pytest.raises(ValueError, match="lacks"):
+        profiles.load_profile(path, "flexicache", (*schema, "extra_key"))
     with pytest.raises(ValueError, match="expected 'lserve'"):
         profiles.load_profile(path, "lserve")
     with pytest.raises(ValueError, match="not found"):
@@ -71,8 +76,8 @@ def test_overlap_table():
 
 
 def test_end_to_end_profile_feeds_flexicache(tiny_llama_dir, tmp_path):
-    from harness.runner import run
-    from harness.schema import Config
+    from harness.running.driver import run
+    from harness.running.schema import Config
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create({
         "model": {"path": str(tiny_llama_dir), "dtype": "float32", "max_input_tokens": 1500, "max_model_len": 2048,
                   "name": "tiny"},

@@ -56,7 +56,7 @@ def test_lmeval_generate_and_loglikelihood(tiny_llama_dir, tmp_path, monkeypatch
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from harness.lmeval import KVHarnessLM
+    from harness.integrations.lmeval import KVHarnessLM
     from systems.base import GenerationRequest
 
     rows = _write(tmp_path)
@@ -83,7 +83,7 @@ def test_loglikelihood_runs_under_the_policy(tiny_llama_dir):
     standard lm-eval model arguments (device, batch sizes) are accepted, not taken for policy parameters."""
     from types import SimpleNamespace
 
-    from harness.lmeval import KVHarnessLM
+    from harness.integrations.lmeval import KVHarnessLM
 
     req = SimpleNamespace(args=("one two three four five six seven " * 20, " eight nine ten"))
     common = dict(model_path=str(tiny_llama_dir), dtype="float32", max_length=1024, device="cpu",
@@ -99,25 +99,27 @@ def test_loglikelihood_runs_under_the_policy(tiny_llama_dir):
     assert rolling[0] < 0
 
 
-@pytest.mark.parametrize("entry", ["lm_eval", pytest.param("harness.lmeval", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("entry", ["lm_eval", pytest.param("harness.integrations.lmeval", marks=pytest.mark.slow)])
 def test_real_cli_runs_an_engine_policy(entry, tiny_llama_dir, tmp_path):
-    """lm-eval's own CLI (`lm_eval`, found through the hook `make setup` installs) and `python -m harness.lmeval`
-    run a local task YAML under an engine policy with lm-eval's standard arguments; the results record the KV mode."""
+    """lm-eval's own CLI (`lm_eval`, found through the hook `make setup` installs) and `python -m
+    harness.integrations.lmeval` run a local task YAML under an engine policy with lm-eval's standard arguments; the
+    results record the KV mode."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from harness import lmeval_hook
+    from harness.integrations import lmeval_hook
 
     _write(tmp_path)
     bin_dir = Path(sys.executable).parent
     if entry == "lm_eval":
         site = [p for p in map(Path, __import__("site").getsitepackages()) if (p / lmeval_hook.PTH_NAME).is_file()]
-        assert site, "the lm-eval hook is not installed: run `make setup` (or python -m harness.lmeval_hook)"
+        assert site, ("the lm-eval hook is not installed: run `make setup` (or python -m "
+                      "harness.integrations.lmeval_hook)")
         cmd = [str(bin_dir / "lm_eval"), "run"]
     else:
-        cmd = [sys.executable, "-m", "harness.lmeval", "run"]
+        cmd = [sys.executable, "-m", "harness.integrations.lmeval", "run"]
     cmd += ["--model", "kvharness", "--model_args",
             f"system=streaming,budget=32,model_path={tiny_llama_dir},dtype=float32,max_length=1024",
             "--tasks", "kvh_fixture_gen,kvh_fixture_mc", "--include_path", str(tmp_path), "--device", "cpu",

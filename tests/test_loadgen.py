@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from harness.loadgen import Prompt, arrival_times, run_load
+from harness.measuring.loadgen import Prompt, arrival_times, run_load
 
 
 def test_poisson_is_seeded_and_lands_last_arrival_at_n_over_rate():

@@ -7,8 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from harness.experiments import online_sweep
-from harness.runner import UserError
-from harness.stats import RequestOutput, summarize
+from harness.measuring.serving_stats import RequestOutput, summarize
+from harness.running.config import UserError
 
 
 def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
@@ -20,7 +20,7 @@ def fake(params: dict, backend: str = "engine", max_model_len: int = 2048):
 
 def checked(cfg, cells):
     """Parse then check, as the runner does before any server starts."""
-    from harness.params import ParamsError, parse
+    from harness.running.params import ParamsError, parse
     try:
         p = parse(cfg, online_sweep.Params)
     except ParamsError as exc:
@@ -65,7 +65,9 @@ def test_summary_has_vllm_keys_per_system_and_rate_and_two_plots(tmp_path):
                                   latency=0.1 * rate + 4 * tpot, start_time=i) for i in range(3)]
             rows.append({"system": system, "request_rate": rate, "burstiness": 1.0, "num_prompts": 3,
                          "input_len": 8, "output_len": 5, **summarize(outs, 3.0)})
-    paths = online_sweep.write_summary(cfg, p, rows, [], tmp_path)
+    from harness.running.experiment import Run
+    from harness.running.workspace import Workspace
+    paths = online_sweep.write_summary(Run(cfg, p, [], tmp_path, Workspace(cfg)), rows, [])
     table = list(csv.DictReader(open(paths["csv"])))
     assert [(r["system"], float(r["request_rate"])) for r in table] == [("a", 1.0), ("a", 2.0), ("b", 1.0),
                                                                          ("b", 2.0)]

@@ -7,8 +7,9 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.runner import CONF_DIR, resolve_cells, validate
-from harness.schema import register
+from harness.running.config import CONF_DIR
+from harness.running.driver import prepare
+from harness.running.schema import register
 from systems.engine.models.spec import FULL, SLIDING, ModelSpec
 from tasks.base import TaskError
 
@@ -25,10 +26,8 @@ def test_every_paper_twin_composes_and_validates_on_every_paper_model(exp, model
         cfg = compose(config_name="config", overrides=[f"+exp={exp}", f"model={model}"])
     assert cfg.model.name == PAPER_MODELS[model] and cfg.model.dtype == "bfloat16"
     assert cfg.model.max_input_tokens < cfg.model.max_model_len
-    cells = resolve_cells(cfg)
-    assert cells
     try:
-        validate(cfg, cells)
+        assert prepare(cfg)[1].grid
     except TaskError as exc:     # a hub dataset (LongBench, RULER's QA) fails in one line on a machine without it
         assert "HF hub" in str(exc)
 

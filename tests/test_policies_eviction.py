@@ -20,6 +20,7 @@ SMALL = {
     "tova": dict(budget=24),
     "snapkv": dict(budget=24, window=8, kernel=5, pooling="avgpool"),
     "pyramidkv": dict(budget=24, window=8),
+    "knorm": dict(budget=24, window=4),
 }
 
 
@@ -92,6 +93,8 @@ def _expected_kept(key: str, n: int, stats: dict) -> list[int]:
         return [b + 8 for b in stats["layer_budgets"]] if total > 24 else [total] * 3
     if key == "snapkv":
         return [(24 if n >= 24 else n) + NEW - 1] * 3
+    if key == "knorm":
+        return [min(n, 24) + NEW - 1] * 3
     return [b + 8 + NEW - 1 for b in stats["layer_budgets"]] if n >= 24 else [total] * 3
 
 
@@ -137,18 +140,18 @@ def test_cascading_keeps_prefill_memory_within_budget_plus_one_layer(tiny_dirs):
     budget_blocks = 2 * (-(-(16 * 3 + 8 * 3) // P) + 3)                      # total + windows, page rounding
     assert peak_c <= budget_blocks + layer_blocks < peak_n
     assert peak_c <= need_c and peak_n <= need_n                             # admission reserves the real peak
-    for key in ("snapkv", "h2o", "tova", "streaming", "pyramidkv"):
+    for key in ("snapkv", "h2o", "tova", "streaming", "pyramidkv", "knorm"):
         peak, _, need = _prefill_peak(tiny_dirs["llama"], key, prompt)
         assert peak <= need < peak_n
 
 
-@pytest.mark.parametrize("name", ["cake", "cake_nocascade", "streaming", "h2o", "tova", "snapkv", "pyramidkv"])
+@pytest.mark.parametrize("name", ["cake", "cake_nocascade", "streaming", "h2o", "tova", "snapkv", "pyramidkv", "knorm"])
 def test_system_yaml_matches_the_dataclass_defaults(name):
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    from harness.schema import SystemConfig
+    from harness.running.schema import SystemConfig
     cfg = OmegaConf.merge(OmegaConf.structured(SystemConfig),
                           OmegaConf.load(Path(__file__).parents[1] / "conf" / "system" / f"{name}.yaml"))
     policy = load_policy(cfg.policy, OmegaConf.to_container(cfg.params))
@@ -164,6 +167,7 @@ def test_system_yaml_matches_the_dataclass_defaults(name):
     ("snapkv", {"pooling": "median"}, "pooling='median'"),
     ("h2o", {"budget": 64, "recent_size": 64}, "recent_size < budget"),
     ("streaming", {"budget": 4}, "budget > sink_size"),
+    ("knorm", {"budget": 8, "window": 8}, "budget > window"),
 ])
 def test_bad_params_fail_in_one_line(name, params, match):
     with pytest.raises(ValueError, match=match) as err:

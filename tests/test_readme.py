@@ -1,4 +1,4 @@
-"""README.md's quickstart and results blocks are what harness.readme builds from the committed summaries."""
+"""README.md's quickstart and results blocks are what harness.reporting.readme builds from the committed summaries."""
 import io
 import subprocess
 import tarfile
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import readme
+from harness.reporting import readme
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def _committed(tmp_path: Path) -> Path:
 def test_readme_matches_committed_summaries(tmp_path):
     text = (ROOT / "README.md").read_text()
     assert readme.render(text, _committed(tmp_path)) == text, \
-        "README.md is out of date with the committed summaries: run `python -m harness.readme`"
+        "README.md is out of date with the committed summaries: run `python -m harness.reporting.readme`"
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -84,3 +84,43 @@ def test_experiments_without_a_committed_run_are_named(tmp_path):
 def test_missing_marker_names_the_fix(tmp_path):
     with pytest.raises(SystemExit, match="add the two marker lines"):
         readme.render("no markers here\n", _tree(tmp_path))
+
+
+def _example(name: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    return text.split(f"<!-- example: {name} -->\n```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_add_an_experiment_example_runs_resumes_and_rebuilds(tiny_llama_dir, tmp_path, monkeypatch):
+    """The README's new kind, installed outside the tree (an entry point in `kvharness.experiments`), runs through
+    the driver, skips its finished cells on a rerun, and its summary rebuilds from disk."""
+    import csv
+
+    from harness.reporting.rebuild import summarize_from_disk
+    from harness.running.config import compose
+    from harness.running.driver import run
+
+    code = _example("harness/experiments/first_token.py")
+    assert len(code.splitlines()) < 60
+    site = tmp_path / "site"
+    (site / "first_token_example-0.1.dist-info").mkdir(parents=True)
+    (site / "first_token_example.py").write_text(code)
+    (site / "first_token_example-0.1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: x\nVersion: 1\n")
+    (site / "first_token_example-0.1.dist-info" / "entry_points.txt").write_text(
+        "[kvharness.experiments]\nfirst_token = first_token_example:EXPERIMENT\n")
+    monkeypatch.syspath_prepend(str(site))
+    overrides = ["exp.kind=first_token", "exp.name=first_token", "exp.systems=[dense,streaming]",
+                 "+exp.params.lengths=[200,400]", "+exp.params.budget=64", f"model.path={tiny_llama_dir}",
+                 "model.dtype=float32", "model.max_input_tokens=1000", "model.max_model_len=2048", "progress=false",
+                 f"results_dir={tmp_path / 'results'}"]
+    first = run(compose(overrides))
+    assert [m["length"] for m in first] == [200, 400, 200, 400] and all(m["ttft_ms"] > 0 for m in first)
+    folder = tmp_path / "results" / "first_token"
+    rows = list(csv.DictReader(open(folder / "summary.csv")))
+    assert {r["system"] for r in rows} == {"engine-dense", "engine-streaming"}
+    assert (folder / "ttft.png").is_file() and "**At a glance:** `engine-dense`" in (folder / "summary.md").read_text()
+    assert run(compose(overrides)) == first                                  # complete cells are reused
+    md = (folder / "summary.md").read_text()
+    (folder / "summary.md").unlink()
+    summarize_from_disk(overrides)
+    assert (folder / "summary.md").read_text().split("Made by")[0] == md.split("Made by")[0]

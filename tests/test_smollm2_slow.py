@@ -7,7 +7,7 @@ pytestmark = pytest.mark.slow
 def test_smollm2_answers_short_needle(tokenizer_dir):
     from transformers import AutoTokenizer
 
-    from harness.prompts import render
+    from harness.running.prompts import render
     from systems.base import GenerationRequest
     from systems.hf import HFSystem
     from tasks.base import load_task

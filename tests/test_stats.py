@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from harness.stats import RequestOutput, parse_goodput, percentile_key, summarize
+from harness.measuring.serving_stats import RequestOutput, parse_goodput, percentile_key, summarize
 
 
 def outputs() -> list[RequestOutput]:

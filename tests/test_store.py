@@ -1,7 +1,7 @@
 """Store: atomic rows, resume after a crash (torn last line, duplicates), completion marker."""
 import json
 
-from harness.store import CellStore, atomic_write_json
+from harness.running.store import CellStore, atomic_write_json
 
 
 def _rows(ids):
@@ -76,7 +76,7 @@ def test_a_cell_made_by_other_code_is_moved_aside_and_rerun(tmp_path, caplog):
 
 
 def test_code_hash_follows_source_files_not_docs(tmp_path):
-    from harness.envinfo import code_hash
+    from harness.running.envinfo import code_hash
     (tmp_path / "systems").mkdir()
     (tmp_path / "systems" / "k.cpp").write_text("int x;")
     (tmp_path / "README.md").write_text("docs")

@@ -170,7 +170,7 @@ def test_limit_picks_a_seeded_subset():
 def test_srt_lengths_are_measured_in_smollm2_tokens():
     from transformers import AutoTokenizer
 
-    from harness.assets import model_dir
+    from harness.integrations.assets import model_dir
     tok = AutoTokenizer.from_pretrained(model_dir())
     for sample in make("srt", lengths=[1000, 4000], depths=[50]).samples(tok):
         n = len(tok.encode(sample.prompt, add_special_tokens=False))

@@ -77,7 +77,7 @@ def test_smollm2_dense_recall_beats_the_random_paragraph_baseline():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from harness.assets import model_dir
+    from harness.integrations.assets import model_dir
     tok = AutoTokenizer.from_pretrained(model_dir())
     model = AutoModelForCausalLM.from_pretrained(model_dir(), dtype=torch.bfloat16).eval()
     task = load_task("recall", "recall", {"context_tokens": [2000], "depths": [90], "passage_tokens": [128]})

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from harness.prompts import render_all
+from harness.running.prompts import render_all
 from tasks import ruler
 from tasks.base import TaskError, load_task
 
@@ -259,8 +259,9 @@ def test_bad_params_fail_in_one_line():
 def test_dense_smollm2_finds_single_needles_at_1k(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from harness.runner import CONF_DIR, run
-    from harness.schema import register
+    from harness.running.config import CONF_DIR
+    from harness.running.driver import run
+    from harness.running.schema import register
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=[

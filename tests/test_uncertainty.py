@@ -1,4 +1,4 @@
-"""Bootstrap intervals (harness.uncertainty) and the accuracy tables built on them (harness.accuracy_report)."""
+"""Bootstrap intervals (harness.reporting.uncertainty) and the accuracy tables built on them (accuracy/data.py)."""
 import math
 from types import SimpleNamespace
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from harness import uncertainty as unc
-from harness.accuracy_report import AccuracyData
+from harness.experiments.accuracy.data import AccuracyData
+from harness.reporting import uncertainty as unc
 
 
 def test_mean_interval_is_scipys_percentile_bootstrap_and_seeded():

@@ -14,43 +14,23 @@ system_overrides / task_overrides cannot express, e.g. shorter NeedleBench lengt
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy.data import AccuracyData, same_budget
+from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.reporting.summary import cell_envs
+from harness.running.cells import StoredCell
+from harness.running.config import UserError
+from harness.running.experiment import Run
+from harness.running.grid import budget_label, budgets_left_out
 
-from harness import accuracy_cells as accuracy
-from harness import accuracy_report
-from harness import grid as grid_lib
-from harness.accuracy_report import AccuracyData
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
-
-SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 # per-request policy statistics averaged into the summary when a policy reports them (Completion.kv_stats)
 POLICY_STATS = {"promoted_share_of_topk": "promoted share of top-K / rerank"}
 
 
-Params = AccuracyParams
-grid = accuracy.grid
-
-
-def label_of(cell) -> str:
-    """A finished cell's label in its own run (`system@budget` in a budget sweep)."""
-    return grid_lib.budget_label(cell, ((cell.config.get("exp") or {}).get("params") or {}).get("budgets"))
-
-
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
-
-
-def policy_stats(cells: list[GridCell], rows_by_cell: dict[str, list[dict]], labels: list[str]) -> dict[str, dict]:
+def policy_stats(cells: list[Any], rows_by_cell: dict[str, list[dict]], labels: list[str]) -> dict[str, dict]:
     """label -> {stat: mean over the label's requests} for the POLICY_STATS a policy reports."""
     values: dict[str, dict[str, list[float]]] = {}
     for cell, label in zip(cells, labels):
@@ -62,8 +42,20 @@ def policy_stats(cells: list[GridCell], rows_by_cell: dict[str, list[dict]], lab
     return {label: {k: sum(v) / len(v) for k, v in per.items()} for label, per in values.items()}
 
 
-def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
-    reference = accuracy.reference_of(p, labels) or labels[0]
+class AccuracyRetention(AccuracyExperiment[AccuracyParams]):
+    def label_of(self, stored: StoredCell) -> str:
+        """A finished cell's label in its own run (`system@budget` in a budget sweep)."""
+        return budget_label(stored.system, ((stored.config.get("exp") or {}).get("params") or {}).get("budgets"))
+
+    def write_summary(self, run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        return write_summary(run, cells, labels, metrics, rows_by_cell)
+
+
+def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                  rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
+    reference = p.reference or labels[0]
     if reference not in labels:
         raise UserError(f"reference system {reference!r} is not in the grid {sorted(set(labels))}: add it to "
                         f"exp.systems or set exp.params.reference")
@@ -71,9 +63,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     use = data.usable(reference)
     at = (f" at a budget of {p.budget} tokens" if p.budget is not None else
           f" at budgets of {', '.join(str(b) for b in p.budgets)} tokens (`system@budget`)" if p.budgets else "")
-    summary = Summary(cfg, envs=cell_envs(metrics))
+    summary = run.summary(envs=cell_envs(metrics))
     n_ref = sum(data.n(reference, u) for u in use)
-    groups = accuracy_report.same_budget(data.systems) if p.budgets else None
+    groups = same_budget(data.systems) if p.budgets else None
     bullets = [f"macro retention vs `{reference}`{at}, over {len(use)} of {len(data.units)} task units "
                f"({n_ref} samples)" + (": " + data.ranking(reference, units=use) if groups is None else "")]
     bullets += [f"at {title}: {data.ranking(reference, group, use)}" for title, group in (groups or {}).items()]
@@ -81,12 +73,12 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
         bullets.append(f"teacher-forced top-1 agreement with `{reference}`: "
                        f"{data.fidelity_ranking('fid_top1', reference)}")
         bullets.append(f"KL({reference} ‖ policy), nats per token: {data.fidelity_ranking('fid_kl', reference)}")
-    summary.glance(accuracy_report.CHAIN_KEY, bullets)
+    summary.glance(CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
-    left_out = grid_lib.budgets_left_out(cells, labels, p.budgets) if p.budgets else []
+    left_out = budgets_left_out(cells, labels, p.budgets) if p.budgets else []
     if left_out:
         summary.text("Not run, the policy cannot run at that budget: " + "; ".join(left_out) + ".")
-    accuracy_report.standard_sections(summary, data, reference, out_dir, pairwise_groups=groups)
+    standard_sections(summary, data, reference, out_dir, pairwise_groups=groups)
     stats = policy_stats(cells, rows_by_cell, labels)
     shown = [k for k in POLICY_STATS if any(k in per for per in stats.values())]
     if shown:
@@ -97,6 +89,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     summary.text("Macro retention = mean over task units of each unit's retention (FlexiCache's average); ratio of "
                  "means = mean score ÷ mean reference score (CAKE's). Same samples, prompts and greedy decoding for "
                  "every system; engine systems decode batch-invariantly.")
-    summary.took(accuracy_report.cells_seconds(metrics),
+    summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
+
+
+EXPERIMENT = AccuracyRetention()

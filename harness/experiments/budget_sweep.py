@@ -13,25 +13,23 @@ context), size_reason.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
 
-from harness import accuracy_cells as accuracy
-from harness import accuracy_report, plots
-from harness import uncertainty as unc
-from harness.accuracy_report import AccuracyData
-from harness.grid import budget_label, budgets_left_out
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
-from harness.uncertainty import Estimate
-
-SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
+from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy.data import AccuracyData, csv_estimate, same_budget
+from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.reporting import plots
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import cell_envs
+from harness.reporting.uncertainty import Estimate
+from harness.running.cells import StoredCell
+from harness.running.config import UserError
+from harness.running.experiment import Run
+from harness.running.grid import GridCell, budget_label, budgets_left_out
 
 
 @dataclass
@@ -39,27 +37,24 @@ class Params(AccuracyParams):
     contexts: dict[str, int] = field(default_factory=dict)   # {task name: context tokens}: budgets as a share
 
 
-def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
-    if not p.budgets:
-        raise UserError("budget_sweep needs exp.params.budgets, a list of token budgets (e.g. [128,512,1024])")
-    cells, labels = accuracy.grid(cfg, cells, p)
-    reference = accuracy.reference_of(p, labels)
-    if reference not in labels:
-        raise UserError(f"reference {reference!r} is not in the grid: "
-                        "add it to exp.systems or set exp.params.reference")
-    return cells, labels
+class BudgetSweep(AccuracyExperiment[Params]):
+    params_type = Params
 
+    def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
+        if not run.params.budgets:
+            raise UserError("budget_sweep needs exp.params.budgets, a list of token budgets (e.g. [128,512,1024])")
+        cells, labels = super().grid(run)
+        if run.params.reference not in labels:
+            raise UserError(f"reference {run.params.reference!r} is not in the grid: "
+                            "add it to exp.systems or set exp.params.reference")
+        return cells, labels
 
-def label_of(cell) -> str:
-    return budget_label(cell, [1])
+    def label_of(self, stored: StoredCell) -> str:
+        return budget_label(stored.system, [1])
 
-
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
+    def write_summary(self, run: Run[Params], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        return write_summary(run, cells, labels, metrics, rows_by_cell)
 
 
 def mean_score(data: AccuracyData, label: str, units: list[str]) -> Estimate:
@@ -71,11 +66,13 @@ def mean_score(data: AccuracyData, label: str, units: list[str]) -> Estimate:
     return Estimate(point, low, high, sum(len(v) for v in vectors))
 
 
-def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
-    reference = accuracy.reference_of(p, labels) or labels[0]
+def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics: list[dict],
+                  rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+    cfg, p, out_dir = run.cfg, run.params, run.out_dir
+    reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     units = data.usable(reference) or data.units
-    budgets = sorted({int(b) for b in p.budgets})
+    budgets = sorted({int(b) for b in p.budgets or []})
     policies = list(dict.fromkeys(label.split("@")[0] for label in labels if "@" in label))
     at = {pol: {b: f"{pol}@{b}" for b in budgets if f"{pol}@{b}" in data.systems} for pol in policies}
     score = {label: mean_score(data, label, units) for label in data.systems}
@@ -83,7 +80,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     top1 = {label: data.fidelity(label, "fid_top1") for label in data.systems}
     kl = {label: data.fidelity(label, "fid_kl") for label in data.systems}
     ref = score[reference]
-    summary = Summary(cfg, envs=cell_envs(metrics))
+    summary = run.summary(envs=cell_envs(metrics))
     bullets = []
     for pol in policies:
         reach = next((b for b, label in at[pol].items() if np.isfinite(score[label].value) and (
@@ -93,13 +90,13 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                        + ", ".join(f"{b} → {score[label].fmt(1, with_n=False)}" for b, label in at[pol].items())
                        + (f"; within the noise of {reference} from {reach} tokens" if reach else
                           f"; below {reference} at every budget"))
-    same_budget = accuracy_report.same_budget(data.systems)
-    for title, group in same_budget.items():
+    at_one_budget = same_budget(data.systems)
+    for title, group in at_one_budget.items():
         chain = data.ranking(reference, group, units)
         if chain:
             bullets.append(f"macro retention at {title}: {chain}")
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
-                   f"{ref.fmt(1)}. In the rankings at one budget, {accuracy_report.CHAIN_KEY}", bullets)
+                   f"{ref.fmt(1)}. In the rankings at one budget, {CHAIN_KEY}", bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
     grid_tasks = {c.task.name for c in cells}
     contexts = {t: n for t, n in p.contexts.items() if t in grid_tasks}
@@ -131,14 +128,17 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                if b in at[pol] else "—" for b in budgets]] for pol in policies])
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "
                  "KL(reference ‖ policy) [CI].")
-    csv = accuracy_report.csv_estimate
+    csv = csv_estimate
     summary.csv([{"system": pol, "budget": b, "task": "MEAN", **csv(score[label], "score"),
                   **csv(data.macro_retention(label, reference, units), "retention"),
                   **csv(top1[label], "fid_top1"), **csv(kl[label], "fid_kl")}
                  for pol in policies for b, label in at[pol].items()]
                 + [{"system": reference, "budget": None, "task": "MEAN", **csv(ref, "score")}])
     # policies are compared at equal budget: a pair across budgets says nothing about either policy
-    accuracy_report.standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=same_budget)
-    summary.took(accuracy_report.cells_seconds(metrics),
+    standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=at_one_budget)
+    summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
+
+
+EXPERIMENT = BudgetSweep()

@@ -12,21 +12,20 @@ import copy
 import multiprocessing as mp
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig
 
-from harness import params as params_lib
-from harness.accuracy_cells import Workspace
-from harness.cells import cell_config, run_cell, stored_metrics
-from harness.experiments.offline_throughput import build_requests, measure
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell
-from harness.summary import Summary, cell_envs, print_paths
+from harness.measuring.offline import build_requests, measure
+from harness.reporting.summary import cell_envs
+from harness.running.cells import cell_config
+from harness.running.config import UserError
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.grid import GridCell
+from harness.running.params import GridParams
+from harness.running.store import CellStore
 from systems.base import GenerationRequest
-from systems.hardware import allowed_cpus, cpu_list_text
+from systems.hardware import allowed_cpus
+from systems.registry import backend_of
 
 
 @dataclass
@@ -46,13 +45,10 @@ def _burn(stop_at: float) -> None:
 
 
 def with_threads(system: DictConfig, threads: int) -> DictConfig:
-    """The system on its first `threads` allowed cores (engine: torch threads; vLLM: its worker's bind list)."""
+    """The system on its first `threads` allowed cores, bound the way its backend binds (torch threads, or a
+    worker's core list)."""
     out = copy.deepcopy(system)
-    cores = allowed_cpus()[:threads]
-    if out.backend == "vllm":
-        out.omp_threads_bind = cpu_list_text(cores)
-    else:
-        out.engine.threads = len(cores)
+    backend_of(out).on_cores(out, allowed_cpus()[:threads])
     return out
 
 
@@ -69,62 +65,54 @@ def points(cells: list[GridCell], p: Params) -> list[tuple[DictConfig, int, int,
     return out
 
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    p = params_lib.parse(cfg, Params)
-    if p.repeats < 1 or p.settle_s < 0:
-        raise ValueError(f"exp.params.repeats must be >= 1 and settle_s >= 0, got {p.repeats} and {p.settle_s}")
-    todo = points(cells, p)
-    ws = Workspace(cfg)
-    for system, *_ in todo:
-        ws.check_fits(system, p.input_len, p.output_len)
-    progress = RunProgress(len(todo), len(todo) * p.num_requests, enabled=cfg.progress)
-    results = []
-    try:
-        for system, threads, bg, key in todo:
-            def work(store, system=system, threads=threads, bg=bg) -> dict:
-                reqs = build_requests(ws.tokenizer, p.num_requests, p.input_len, p.output_len, cfg.seed)
-                sut = ws.system(system)
-                sut.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
-                burners = [mp.get_context("spawn").Process(target=_burn, args=(time.time() + 3600,), daemon=True)
-                           for _ in range(bg)]
-                for b in burners:
-                    b.start()
-                try:
-                    if burners:
-                        time.sleep(p.settle_s)
-                    runs = [measure(sut, reqs, exclude=frozenset(b.pid for b in burners if b.pid))
-                            for _ in range(p.repeats)]
-                    median = sorted(runs, key=lambda m: m["total_tok_s"])[(len(runs) - 1) // 2]
-                    return {"system": system.name, "threads": threads, "background": bg, **median,
-                            "total_tok_s_runs": [m["total_tok_s"] for m in runs]}
-                finally:
-                    for b in burners:
-                        b.kill()
-                        b.join()
-            label = f"{system.name} × {threads} thread(s), {bg} burner(s)"
-            results.append(run_cell(cfg, key, cell_config(cfg, system=system, background=bg), out_dir, work,
-                                    progress, label, p.num_requests))
-    finally:
-        progress.close()
-        ws.close()
-    summarize(cfg, cells, out_dir)
-    return results
+class LoadedHost(Experiment[Params]):
+    params_type = Params
 
+    def check(self, run: Run[Params]) -> None:
+        p = run.params
+        if p.repeats < 1 or p.settle_s < 0:
+            raise UserError(f"exp.params.repeats must be >= 1 and settle_s >= 0, got {p.repeats} and {p.settle_s}")
 
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    p = params_lib.parse(cfg, Params)
-    rows = [m for *_, key in points(cells, p) if (m := stored_metrics(out_dir, key))]
-    paths = write_summary(cfg, p, rows, out_dir)
-    print_paths(paths)
-    return paths
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        p = run.params
+        return [Cell(key=key, config=cell_config(run.cfg, system=system, background=bg),
+                     label=f"{system.name} × {threads} thread(s), {bg} burner(s)", units=p.num_requests,
+                     system=system, fits=(p.input_len, p.output_len), item=(threads, bg))
+                for system, threads, bg, key in points(run.grid, p)]
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        p, ws, (threads, bg) = run.params, run.workspace, cell.item
+        assert cell.system is not None
+        reqs = build_requests(ws.tokenizer, p.num_requests, p.input_len, p.output_len, run.cfg.seed)
+        sut = ws.system(cell.system)
+        sut.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
+        burners = [mp.get_context("spawn").Process(target=_burn, args=(time.time() + 3600,), daemon=True)
+                   for _ in range(bg)]
+        for b in burners:
+            b.start()
+        try:
+            if burners:
+                time.sleep(p.settle_s)
+            runs = [measure(sut, reqs, exclude=frozenset(b.pid for b in burners if b.pid)) for _ in range(p.repeats)]
+            median = sorted(runs, key=lambda m: m["total_tok_s"])[(len(runs) - 1) // 2]
+            return {"system": cell.system.name, "threads": threads, "background": bg, **median,
+                    "total_tok_s_runs": [m["total_tok_s"] for m in runs]}
+        finally:
+            for b in burners:
+                b.kill()
+                b.join()
+
+    def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
+        return write_summary(run, [m for c in cells if (m := run.stored(c.key))])
 
 
 def _runs(row: dict) -> str:
     return "/".join(f"{x:.0f}" for x in row.get("total_tok_s_runs") or [row["total_tok_s"]])
 
 
-def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, str]:
-    summary = Summary(cfg, f"{cfg.exp.name}: throughput on an idle and on a busy host", envs=cell_envs(rows))
+def write_summary(run: Run[Params], rows: list[dict]) -> dict[str, str]:
+    cfg, p, out_dir = run.cfg, run.params, run.out_dir
+    summary = run.summary(f"{cfg.exp.name}: throughput on an idle and on a busy host", envs=cell_envs(rows))
     verdicts = []
     for system in dict.fromkeys(r["system"] for r in rows):
         for bg in sorted({r["background"] for r in rows}):
@@ -153,3 +141,6 @@ def write_summary(cfg, p: Params, rows: list[dict], out_dir: Path) -> dict[str, 
     summary.took(sum(r.get("wall_s", 0) * len(r.get("total_tok_s_runs") or [0]) for r in rows),
                  "timed generate() calls")
     return summary.write(out_dir)
+
+
+EXPERIMENT = LoadedHost()

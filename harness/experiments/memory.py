@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from omegaconf import DictConfig
-
-from harness import params as params_lib
-from harness import plots
-from harness.accuracy_cells import Workspace
-from harness.cells import cell_config, run_cell, stored_metrics
-from harness.experiments.offline_throughput import build_requests
-from harness.params import GridParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs, print_paths
+from harness.measuring.offline import build_requests
+from harness.reporting import plots
+from harness.reporting.summary import cell_envs
+from harness.running.cells import cell_config
+from harness.running.config import UserError
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.params import GridParams
+from harness.running.store import CellStore
+from systems.base import GenerationRequest
+from systems.policies.base import Policy
+from systems.registry import backend_of
 
 MIB = 2 ** 20
 
@@ -38,9 +37,10 @@ class Params(GridParams):
     output_len: int = 16                     # EOS ignored: each request holds prompt + output - 1 tokens at the end
     seed: int = 0
     warmup: bool = True
+    reference: Optional[str] = None          # the glance states each system's KV as a multiple of this system's
 
 
-def analytic(policy, spec: dict, n: int, out: int) -> dict[str, float]:
+def analytic(policy: Policy, spec: dict, n: int, out: int) -> dict[str, float | None]:
     """What the policy says one request with prompt n and `out` output tokens holds on the device tier."""
     b, T = spec["bytes_per_block"], n + out - 1
     pages = -(-T // spec["page_size"])
@@ -52,13 +52,13 @@ def analytic(policy, spec: dict, n: int, out: int) -> dict[str, float]:
             "analytic_prefill_peak_bytes": None if peak is None else peak * b}
 
 
-def model_spec(system) -> dict:
+def model_spec(system: Any) -> dict:
     kv = system.engine.kv
     return {"layers": kv.num_layers, "kv_heads": kv.num_kv_heads, "head_dim": kv.head_dim, "page_size": kv.page_size,
             "bytes_per_block": kv.bytes_per_block, "minmax_bytes_per_page": kv.minmax_bytes_per_page}
 
 
-def measure_one(system, request) -> dict[str, Any]:
+def measure_one(system: Any, request: GenerationRequest) -> dict[str, Any]:
     system.reset_stats()
     (c,) = system.generate([request])
     mem, spec, stats = system.memory_report(), model_spec(system), c.kv_stats or {}
@@ -71,52 +71,46 @@ def measure_one(system, request) -> dict[str, Any]:
             "kept_tokens_mean": sum(kept) / len(kept) if kept else None, **spec}
 
 
-def jobs(cells: list[GridCell], p: Params) -> list[tuple[GridCell, int, str]]:
-    systems = list({c.system.name: c for c in cells}.values())       # memory has no task: one cell per system
-    return [(c, int(n), f"{c.key}__len{n}_out{p.output_len}") for c in systems for n in p.lengths]
+class Memory(Experiment[Params]):
+    params_type = Params
 
+    def check(self, run: Run[Params]) -> None:
+        p, cfg = run.params, run.cfg
+        bad = sorted({c.system.name for c in run.grid if not backend_of(c.system).runs_policies})
+        if bad:
+            raise UserError(f"the memory experiment measures a KV policy's tiers; remove {bad} (systems whose "
+                            "backend runs no KV policy) from exp.systems")
+        if not p.lengths or min(p.lengths) <= 0 or p.output_len < 2:
+            raise UserError("exp.params.lengths must be positive prompt lengths and exp.params.output_len >= 2")
+        if max(p.lengths) + p.output_len > cfg.model.max_model_len:
+            raise UserError(f"the longest request ({max(p.lengths)} + {p.output_len} tokens) exceeds "
+                            f"model.max_model_len={cfg.model.max_model_len}; shorten exp.params.lengths")
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    p = params_lib.parse(cfg, Params)
-    bad = sorted({c.system.name for c in cells if c.system.backend != "engine"})
-    if bad:
-        raise UserError(f"the memory experiment measures the engine's tiers; remove {bad} from exp.systems")
-    if not p.lengths or min(p.lengths) <= 0 or p.output_len < 2:
-        raise UserError("exp.params.lengths must be positive prompt lengths and exp.params.output_len >= 2")
-    if max(p.lengths) + p.output_len > cfg.model.max_model_len:
-        raise UserError(f"the longest request ({max(p.lengths)} + {p.output_len} tokens) exceeds "
-                        f"model.max_model_len={cfg.model.max_model_len}; shorten exp.params.lengths")
-    ws, todo, results = Workspace(cfg), jobs(cells, p), []
-    for cell, n, _ in todo:
-        ws.check_fits(cell.system, n, p.output_len)
-    progress = RunProgress(len(todo), len(todo), enabled=cfg.progress)
-    try:
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        """One cell per system and prompt length (memory has no task)."""
+        p = run.params
+        systems = list({c.system.name: c for c in run.grid}.values())
+        return [Cell(key=f"{c.key}__len{n}_out{p.output_len}", config=cell_config(run.cfg, system=c.system, length=n),
+                     label=f"{c.system.name} × {n} tokens", system=c.system, policy=c.policy,
+                     fits=(int(n), p.output_len), item=int(n)) for c in systems for n in p.lengths]
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        p, ws, n = run.params, run.workspace, cell.item
         # one essay window, tokenized once, cut to each length: every system sees the same prompts
-        (longest,) = build_requests(ws.tokenizer, 1, max(p.lengths), p.output_len, p.seed)
-        for cell, n, key in todo:
-            def work(store, cell=cell, n=n) -> dict:
-                system = ws.system(cell.system)
-                if p.warmup:
-                    system.generate([replace(longest, request_id="warmup", max_new_tokens=2,
-                                             prompt_token_ids=longest.prompt_token_ids[:64])])
-                req = replace(longest, request_id=f"len{n}", prompt_token_ids=longest.prompt_token_ids[:n])
-                return {"system": cell.system.name, "policy": cell.system.policy, "length": n,
-                        **measure_one(system, req), **analytic(system.engine.policy, model_spec(system), n,
-                                                               p.output_len)}
-            results.append(run_cell(cfg, key, cell_config(cfg, system=cell.system, length=n), out_dir, work,
-                                    progress, f"{cell.system.name} × {n} tokens"))
-    finally:
-        progress.close()
-        ws.close()
-    summarize(cfg, cells, out_dir)
-    return results
+        (longest,) = ws.memo("memory:longest", lambda: build_requests(ws.tokenizer, 1, max(p.lengths), p.output_len,
+                                                                      p.seed))
+        assert cell.system is not None
+        system = ws.system(cell.system, cell.policy)
+        if p.warmup:
+            system.generate([replace(longest, request_id="warmup", max_new_tokens=2,
+                                     prompt_token_ids=longest.prompt_token_ids[:64])])
+        req = replace(longest, request_id=f"len{n}", prompt_token_ids=longest.prompt_token_ids[:n])
+        policy: Policy = system.engine.policy       # type: ignore[attr-defined]  # a backend that runs policies
+        return {"system": cell.system.name, "policy": cell.system.policy, "length": n,
+                **measure_one(system, req), **analytic(policy, model_spec(system), n, p.output_len)}
 
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    p = params_lib.parse(cfg, Params)
-    paths = write_summary(cfg, [m for _, _, key in jobs(cells, p) if (m := stored_metrics(out_dir, key))], out_dir)
-    print_paths(paths)
-    return paths
+    def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
+        return write_summary(run, [m for c in cells if (m := run.stored(c.key))])
 
 
 def within_bound(r: dict) -> bool | None:
@@ -126,14 +120,15 @@ def within_bound(r: dict) -> bool | None:
     return abs(r["device_kv_final_bytes"] - bound) <= r["analytic_tolerance_bytes"]
 
 
-def write_summary(cfg, results: list[dict], out_dir: Path) -> dict[str, str]:
+def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
     systems = list(dict.fromkeys(r["system"] for r in results))
     longest = max(r["length"] for r in results)
     at_long = {r["system"]: r for r in results if r["length"] == longest}
-    dense = next((r for r in at_long.values() if r["policy"] == "dense"), None)
+    dense = at_long.get(p.reference) if p.reference else None
     ok = [within_bound(r) for r in results]
     checked = [x for x in ok if x is not None]
-    summary = Summary(cfg, envs=cell_envs(results))
+    summary = run.summary(envs=cell_envs(results))
     summary.glance(f"device KV per request at {longest}-token prompts: " + ", ".join(
         f"{s} {at_long[s]['device_kv_final_bytes'] / MIB:.2f} MiB"
         + (f" ({at_long[s]['device_kv_final_bytes'] / dense['device_kv_final_bytes']:.2f}× dense)" if dense else "")
@@ -152,7 +147,8 @@ def write_summary(cfg, results: list[dict], out_dir: Path) -> dict[str, str]:
                  "included); MinMax = per-page key bounds kept on the device for every page (FlexiCache's F9 count "
                  "adds them); matches = measured equals the policy's analytic count within its stated slack (per-"
                  "layer rounding: one page per layer and KV head).")
-    peaks = [r for r in results if r.get("analytic_prefill_peak_bytes") is not None or r["policy"] == "dense"]
+    peaks = [r for r in results
+             if r.get("analytic_prefill_peak_bytes") is not None or r["system"] == p.reference]
     if any(r.get("analytic_prefill_peak_bytes") is not None for r in peaks):
         summary.section("Peak device KV during prefill and decode latency (CAKE F7)").table(
             ["system", "prompt", "peak MiB", "analytic peak MiB", "TPOT ms"],
@@ -161,7 +157,7 @@ def write_summary(cfg, results: list[dict], out_dir: Path) -> dict[str, str]:
               1000 * (r["tpot_s"] or math.nan)] for r in peaks], 2)
     summary.csv([{**{k: v for k, v in r.items() if k != "_env"}, "matches_analytic": o} for r, o in zip(results, ok)])
 
-    def series(rs, key, x="tokens_held"):
+    def series(rs: list[dict], key: str, x: str = "tokens_held") -> dict[str, list[tuple[float, float]]]:
         return {s: [(r[x], (r[key] or math.nan) / MIB) for r in rs if r["system"] == s]
                 for s in dict.fromkeys(r["system"] for r in rs)}
     summary.image("png_memory", plots.line_plot(
@@ -181,3 +177,6 @@ def write_summary(cfg, results: list[dict], out_dir: Path) -> dict[str, str]:
             "prompt length (tokens)", "decode time per output token (ms)", "Decode latency vs length"),
             "decode latency")
     return summary.write(out_dir)
+
+
+EXPERIMENT = Memory()

@@ -1,35 +1,33 @@
 """NeedleBench grid: S-RT / M-RT / M-RS per system, v1 / v2 overall, and length × depth heatmaps per system (CAKE F6).
 
-Cells are ordinary accuracy cells (resumable, one per system × NeedleBench task), run through accuracy.run_cells;
+Cells are ordinary accuracy cells (resumable, one per system × NeedleBench task), run by the accuracy kinds' driver;
 this module only arranges what they stored. The per-(length, depth) score is the mean over the samples at that
 cell (for M-RT, the hit rate of the needle placed at that depth). Overall scores follow NeedleBench, each under its
 own version's scoring (tasks.needlebench): v1 = 0.4 S-RT + 0.3 M-RT + 0.3 M-RS of the `score_v1` values, v2 = the
 plain mean of the `score` values; a mode missing from the grid leaves both blank.
 
-exp.params: harness.params.AccuracyParams (budget, reference, fidelity, task_params, ...).
+exp.params: harness.running.params.AccuracyParams (budget, reference, fidelity, task_params, ...).
 """
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from harness import accuracy_cells as accuracy
-from harness import accuracy_report, plots
-from harness import uncertainty as unc
-from harness.accuracy_report import AccuracyData
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
-from harness.uncertainty import Estimate
+from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy.data import AccuracyData, csv_estimate
+from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.reporting import plots
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import cell_envs
+from harness.reporting.uncertainty import Estimate
+from harness.running.config import UserError
+from harness.running.experiment import Run
+from harness.running.grid import GridCell
 
 MODES = ("srt", "mrt", "mrs")
 LABELS = {"srt": "S-RT", "mrt": "M-RT", "mrs": "M-RS"}
 V1_WEIGHTS = {"srt": 0.4, "mrt": 0.3, "mrs": 0.3}
-SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 
 
 def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[int, float], float],
@@ -50,25 +48,6 @@ def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[i
     return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
 
 
-Params = AccuracyParams
-
-
-def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
-    bad = [c.task.name for c in cells if c.task.family != "needlebench"]
-    if bad:
-        raise UserError(f"the needlebench experiment takes NeedleBench tasks only; remove {sorted(set(bad))} from "
-                        f"exp.tasks (use +exp=accuracy_retention for other tasks)")
-    return accuracy.grid(cfg, cells, p)
-
-
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
-
-
 def _fmt_depth(d: float) -> str:
     return f"{d:g}"
 
@@ -84,15 +63,17 @@ def overall(data: AccuracyData, system: str, units: dict[str, str], weights: dic
     return Estimate(point, low, high, sum(len(v) for v in vectors))
 
 
-def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
-    reference = accuracy.reference_of(p, labels) or labels[0]
+def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                  rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
+    reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     units = {c.task.params.mode: c.task.name for c in cells}
     modes = [m for m in MODES if m in units]
     v1 = {s: overall(data, s, units, V1_WEIGHTS, "score_v1") for s in data.systems}
     v2 = {s: overall(data, s, units, {m: 1 / 3 for m in MODES}) for s in data.systems}
     budget = p.budget
-    summary = Summary(cfg, envs=cell_envs(metrics))
+    summary = run.summary(envs=cell_envs(metrics))
     bullets = []
     use = set(data.usable(reference)) if reference in data.systems else set()
     if len(data.systems) > 1 and not use:
@@ -107,7 +88,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     if len(data.systems) > 1 and data.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: {data.fidelity_ranking('fid_top1', reference)}")
     bullets.append("v2 overall (0–100): " + ", ".join(f"{s} {v2[s].fmt(1, with_n=False)}" for s in data.systems))
-    summary.glance(accuracy_report.CHAIN_KEY, bullets)
+    summary.glance(CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, budget)
     summary.section("Overall (score 0–100, 95 % CI)").table(
         ["system", *[LABELS[m] for m in MODES], "v2 overall", "v1 overall"],
@@ -117,9 +98,9 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                  "needle, M-RS exact match of the boxed answer); v2 overall is their mean. v1 overall = 0.4 S-RT + "
                  "0.3 M-RT + 0.3 M-RS under v1's scoring (S-RT Levenshtein partial credit when the keyword is "
                  "missed, M-RS the share of the answer's words). Blank unless all three modes ran.")
-    summary.csv([{"system": s, "task": "OVERALL", **accuracy_report.csv_estimate(v2[s], "v2_overall"),
-                  **accuracy_report.csv_estimate(v1[s], "v1_overall")} for s in data.systems])
-    accuracy_report.standard_sections(summary, data, reference, out_dir)
+    summary.csv([{"system": s, "task": "OVERALL", **csv_estimate(v2[s], "v2_overall"),
+                  **csv_estimate(v1[s], "v1_overall")} for s in data.systems])
+    standard_sections(summary, data, reference, out_dir)
     for mode in modes:
         panels = []
         for s in data.systems:
@@ -141,6 +122,22 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                 ylabel="context length (tokens)", colorbar="score (0–100)",
                 title=f"NeedleBench {LABELS[mode]} by length × depth (n per cell "
                       f"{min(counts.values())}–{max(counts.values())})"), f"heatmap {mode}")
-    summary.took(accuracy_report.cells_seconds(metrics),
+    summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
+
+
+class NeedleBench(AccuracyExperiment[AccuracyParams]):
+    def grid(self, run: Run[AccuracyParams]) -> tuple[list[GridCell], list[str]]:
+        bad = [c.task.name for c in run.grid if c.task.family != "needlebench"]
+        if bad:
+            raise UserError(f"the needlebench experiment takes NeedleBench tasks only; remove {sorted(set(bad))} from "
+                            f"exp.tasks (use +exp=accuracy_retention for other tasks)")
+        return super().grid(run)
+
+    def write_summary(self, run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        return write_summary(run, cells, labels, metrics, rows_by_cell)
+
+
+EXPERIMENT = NeedleBench()

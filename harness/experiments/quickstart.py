@@ -6,29 +6,21 @@ requests with the engine's device pool capped, and measures each system's device
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
-from harness import accuracy_cells as accuracy
-from harness import accuracy_report
-from harness import params as params_lib
-from harness.accuracy_report import AccuracyData
-from harness.cells import cell_config, run_cell
-from harness.experiments.offline_throughput import build_requests, measure
-from harness.params import AccuracyParams
-from harness.progress import RunProgress
-from harness.runner import GridCell, apply_budget, load_group
-from harness.schema import SystemConfig
-from harness.store import CellStore
-from harness.summary import Summary, cell_envs
+from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy.cells import AccuracyItem
+from harness.experiments.accuracy.data import AccuracyData
+from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.sections import cells_seconds, standard_sections
+from harness.measuring.offline import build_requests, measure
+from harness.reporting.summary import cell_envs
+from harness.running.cells import cell_config
+from harness.running.experiment import Cell, Run
+from harness.running.grid import apply_budget, check_one_system, system_config
+from harness.running.store import CellStore
 from systems.base import GenerationRequest
-
-REFERENCE = "engine-dense"
-SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
 
 
 @dataclass
@@ -45,90 +37,79 @@ class Params(AccuracyParams):
     throughput: Throughput = field(default_factory=Throughput)
 
 
-grid = accuracy.grid
-
-
-def throughput_cells(cfg: DictConfig, p: Params) -> list[tuple[DictConfig, str]]:
+def throughput_cells(run: Run[Params]) -> list[Cell]:
+    """One timed cell per throughput system, the shared budget applied and every device pool capped alike."""
+    cfg, p = run.cfg, run.params
     tp, out = p.throughput, []
     for name in tp.systems:
-        system = load_group("system", name, SystemConfig)
+        system = system_config(name)
         if p.budget is not None:
             apply_budget(system, p.budget)
         system.engine.device_memory_gb = tp.device_memory_gb     # the engines' pools and vLLM's KV cache alike
-        out.append((system, f"throughput__{system.name}__n{tp.num_requests}_in{tp.input_len}_out{tp.output_len}"))
+        out.append(Cell(key=f"throughput__{system.name}__n{tp.num_requests}_in{tp.input_len}_out{tp.output_len}",
+                        config=cell_config(cfg, system=system), label=f"{system.name} × offline throughput",
+                        units=tp.num_requests, system=system, policy=check_one_system(cfg, system),
+                        fits=(tp.input_len, tp.output_len)))
     return out
 
 
-def throughput_work(cfg, p: Params, system_cfg, ws):
-    def work(store) -> dict:
-        tp = p.throughput
-        reqs = build_requests(ws.tokenizer, tp.num_requests, tp.input_len, tp.output_len, cfg.seed)
-        system = ws.system(system_cfg)
+class Quickstart(AccuracyExperiment[Params]):
+    params_type = Params
+
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        throughput = throughput_cells(run)
+        run.extra_systems = [c.system for c in throughput if c.system is not None]
+        return super().cells(run) + throughput
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        if isinstance(cell.item, AccuracyItem):
+            return super().run_cell(run, cell, store)
+        assert cell.system is not None
+        tp, ws = run.params.throughput, run.workspace
+        reqs = build_requests(ws.tokenizer, tp.num_requests, tp.input_len, tp.output_len, run.cfg.seed)
+        system = ws.system(cell.system, cell.policy)
         system.generate([GenerationRequest("warmup", reqs[0].prompt_token_ids[:64], 4, ignore_eos=True)])
         single = measure(system, reqs[:1])  # what one request holds on the device tier
         batch = measure(system, reqs)
-        return {"system": system_cfg.name, **batch, "device_kv_bytes_per_request": single["device_kv_peak_bytes"],
+        return {"system": cell.system.name, **batch, "device_kv_bytes_per_request": single["device_kv_peak_bytes"],
                 "device_kv_capacity_bytes": batch["memory"].get("device_kv_capacity_bytes")}
-    return work
+
+    def write_summary(self, run: Run[Params], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        return write_summary(run, cells, labels, metrics, rows_by_cell)
 
 
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    p = params_lib.parse(cfg, Params)
-    cells, labels = grid(cfg, cells, p)
-    tcells = throughput_cells(cfg, p)
-    plans = accuracy.fidelity_plans(cfg, cells, labels, REFERENCE, out_dir)
-    ws = accuracy.Workspace(cfg)
-    try:
-        for s, _ in tcells:
-            ws.check_fits(s, p.throughput.input_len, p.throughput.output_len)
-        results, pending = accuracy.plan_cells(cfg, cells, out_dir, ws)
-        tp_left = sum(p.throughput.num_requests for _, k in tcells if not CellStore(out_dir / k).is_complete())
-        progress = RunProgress(len(cells) + len(tcells), sum(x[3] for x in pending) + tp_left, enabled=cfg.progress)
-        try:
-            acc = accuracy.execute_cells(cfg, cells, results, pending, out_dir, ws, progress, plans)
-            tput = [run_cell(cfg, key, cell_config(cfg, system=s), out_dir, throughput_work(cfg, p, s, ws), progress,
-                             f"{s.name} × offline throughput", p.throughput.num_requests) for s, key in tcells]
-        finally:
-            progress.close()
-    finally:
-        ws.close()
-    summarize(cfg, cells, out_dir, p=p, grid_done=(cells, labels))
-    return {"accuracy": acc, "throughput": tput}
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True, p=None,
-              grid_done=None) -> dict[str, str]:
-    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code, p, grid_done)
-
-
-def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Path) -> dict[str, str]:
+def write_summary(run: Run[Params], cells: list[Any], labels: list[str], acc: list[dict],
+                  rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+    cfg, p, out_dir = run.cfg, run.params, run.out_dir
+    reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
-    tput = [CellStore(out_dir / key).metrics() for _, key in throughput_cells(cfg, p)
-            if (out_dir / key / "metrics.json").is_file()]
+    tput = [CellStore(out_dir / c.key).metrics() for c in throughput_cells(run)
+            if (out_dir / c.key / "metrics.json").is_file()]
     budget = p.budget
-    ref_tp = next((t for t in tput if t["system"] == REFERENCE), None)
+    ref_tp = next((t for t in tput if t["system"] == reference), None)
     for t in tput:
         t["tok_s_ratio"] = t["output_tok_s"] / ref_tp["output_tok_s"] if ref_tp else None
         t["kv_ratio"] = (t["device_kv_bytes_per_request"] / ref_tp["device_kv_bytes_per_request"]
                          if ref_tp and ref_tp["device_kv_bytes_per_request"] and t["device_kv_bytes_per_request"]
                          else None)
     tp = p.throughput
-    units = len(data.usable(REFERENCE))
-    bullets = [f"accuracy retention vs {REFERENCE} (macro mean over {units} task unit{'s' * (units != 1)}): "
-               f"{data.ranking(REFERENCE)}"]
+    units = len(data.usable(reference))
+    bullets = [f"accuracy retention vs {reference} (macro mean over {units} task unit{'s' * (units != 1)}): "
+               f"{data.ranking(reference)}"]
     if data.has("fid_top1"):
-        bullets.append(f"teacher-forced top-1 agreement with {REFERENCE}: "
-                       f"{data.fidelity_ranking('fid_top1', REFERENCE)}")
+        bullets.append(f"teacher-forced top-1 agreement with {reference}: "
+                       f"{data.fidelity_ranking('fid_top1', reference)}")
     for t in tput:
-        if t["system"] != REFERENCE and t["kv_ratio"] is not None and t["tok_s_ratio"] is not None:
-            bullets.append(f"{t['system']} holds {t['kv_ratio']:.2f}× {REFERENCE}'s device KV per request at "
+        if t["system"] != reference and t["kv_ratio"] is not None and t["tok_s_ratio"] is not None:
+            bullets.append(f"{t['system']} holds {t['kv_ratio']:.2f}× {reference}'s device KV per request at "
                            f"{t['tok_s_ratio']:.2f}× its output tokens/s")
-    summary = Summary(cfg, f"{cfg.exp.name}: KV policies at one shared budget on SmolLM2-135M-Instruct",
-                      envs=cell_envs(acc))
+    summary = run.summary(f"{cfg.exp.name}: KV policies at one shared budget on SmolLM2-135M-Instruct",
+                          envs=cell_envs(acc))
     summary.glance(f"at a shared budget of {budget} tokens per layer and KV head (`>`: the paired 95 % interval of "
                    "the difference excludes 0; `≈`: indistinguishable at this n):", bullets)
     summary.reasons(p.size_reason, p.budget_reason, budget)
-    accuracy_report.standard_sections(summary, data, REFERENCE, out_dir, plot_name="quickstart_retention.png")
+    standard_sections(summary, data, reference, out_dir, plot_name="quickstart_retention.png")
     tp_table = [[t["system"], t["output_tok_s"], t["total_tok_s"], (t["device_kv_bytes_per_request"] or 0) / 2**20,
                  t["tok_s_ratio"], t["kv_ratio"], t["mode"], t.get("cores_busy"), t.get("busy_threads"),
                  t.get("cpus_allowed")] for t in tput]
@@ -146,6 +127,9 @@ def write_summary(cfg, p: Params, cells, labels, acc, rows_by_cell, out_dir: Pat
                   "tok_s_ratio": t["tok_s_ratio"], "kv_ratio": t["kv_ratio"], "mode": t["mode"],
                   "cores_busy": t.get("cores_busy"), "busy_threads": t.get("busy_threads"),
                   "cpus_allowed": t.get("cpus_allowed")} for t in tput])
-    summary.took(accuracy_report.cells_seconds(acc)
+    summary.took(cells_seconds(acc)
                  + sum(t.get("wall_s", 0) for t in tput), "accuracy cells + timed throughput")
     return summary.write(out_dir)
+
+
+EXPERIMENT = Quickstart()

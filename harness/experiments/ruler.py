@@ -1,6 +1,6 @@
 """RULER: every system on RULER's tasks and lengths; RULER's table per system and retention vs the reference.
 
-Cells are ordinary accuracy cells (one per system × RULER task config), run through accuracy.run_cells with
+Cells are ordinary accuracy cells (one per system × RULER task config), run by the accuracy kinds' driver with
 teacher-forced fidelity. The summary reports what RULER's README table reports — the per-task score at each length,
 the per-length average over tasks, and the average over lengths — with 95 % bootstrap intervals, plus each policy's
 retention vs the reference per length (ratio of the length averages, paired over samples) and the macro retention
@@ -14,47 +14,27 @@ min_reference_score, fidelity, task_params (as accuracy_retention), size_reason 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from omegaconf import DictConfig
 
-from harness import accuracy_cells as accuracy
-from harness import accuracy_report, plots
-from harness import uncertainty as unc
-from harness.accuracy_report import AccuracyData
-from harness.params import AccuracyParams
-from harness.runner import GridCell, UserError
-from harness.summary import Summary, cell_envs
-from harness.uncertainty import Estimate
-
-SYSTEM_DEFAULTS = accuracy.SYSTEM_DEFAULTS
+from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy.data import AccuracyData, csv_estimate
+from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.reporting import plots
+from harness.reporting import uncertainty as unc
+from harness.reporting.summary import cell_envs
+from harness.reporting.uncertainty import Estimate
+from harness.running.config import UserError
+from harness.running.experiment import Run
+from harness.running.grid import GridCell
 
 
 def task_length(task: str, row: dict) -> str:
     """RULER's unit: one task at one length."""
     return f"{row['meta']['ruler_task']}@{row['meta']['length']}"
-
-
-Params = AccuracyParams
-
-
-def grid(cfg: DictConfig, cells: list[GridCell], p: AccuracyParams) -> tuple[list[GridCell], list[str]]:
-    bad = sorted({c.task.name for c in cells if c.task.family != "ruler"})
-    if bad:
-        raise UserError(f"the ruler experiment takes RULER tasks only; remove {bad} from exp.tasks")
-    return accuracy.grid(cfg, cells, p)
-
-
-def run(cfg: DictConfig, cells: list[GridCell], out_dir: Path) -> Any:
-    return accuracy.run_kind(sys.modules[__name__], cfg, cells, out_dir)
-
-
-def summarize(cfg: DictConfig, cells: list[GridCell], out_dir: Path, same_code: bool = True) -> dict[str, str]:
-    return accuracy.summarize_kind(sys.modules[__name__], cfg, cells, out_dir, same_code)
 
 
 def _grid(data: AccuracyData) -> tuple[list[str], list[int]]:
@@ -82,8 +62,10 @@ def balanced(data: AccuracyData, tasks: Sequence[str], lengths: Sequence[int]) -
     return all(len({data.n(s, f"{t}@{L}") for t in tasks}) == 1 for s in data.systems for L in lengths)
 
 
-def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, out_dir: Path) -> dict[str, str]:
-    reference = accuracy.reference_of(p, labels) or labels[0]
+def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                  rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
+    reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score, unit_of=task_length)
     by_length = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score, unit_of=length_unit)
     tasks, lengths = _grid(data)
@@ -97,7 +79,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
     ratio = {s: {**{L: by_length.retention(s, unit[L], reference) for L in lengths},
                  "all": by_length.macro_retention(s, reference)} for s in others}
     budget = p.budget
-    summary = Summary(cfg, envs=cell_envs(metrics))
+    summary = run.summary(envs=cell_envs(metrics))
     bullets = [f"RULER average ({len(tasks)} tasks × {len(lengths)} lengths, 0–100): "
                + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
     if others:
@@ -105,7 +87,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
                        + (f" at a budget of {budget} tokens" if budget else "") + f": {by_length.ranking(reference)}")
     if others and by_length.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: {by_length.fidelity_ranking('fid_top1', reference)}")
-    summary.glance(accuracy_report.CHAIN_KEY, bullets)
+    summary.glance(CHAIN_KEY, bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
     summary.section("RULER average per length (mean over its samples, 0–100, 95 % CI)").table(
         ["system", *[f"{L}" for L in lengths], "average", "n"],
@@ -120,7 +102,7 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
             ["system", *[f"{L} †" if unit[L] in flagged else f"{L}" for L in lengths], "macro over lengths"],
             [[s, *[ratio[s][L].fmt(2, with_n=False) for L in lengths], ratio[s]["all"].fmt(2)] for s in others])
     summary.csv([{"system": s, "task": "RULER average", "length": "all",
-                  **accuracy_report.csv_estimate(avg[s]["all"], "score")} for s in data.systems])
+                  **csv_estimate(avg[s]["all"], "score")} for s in data.systems])
     panels = []
     for s in data.systems:
         values = [[data.score(s, f"{t}@{L}").value if data.n(s, f"{t}@{L}") else math.nan for L in lengths]
@@ -143,7 +125,22 @@ def write_summary(cfg, p: AccuracyParams, cells, labels, metrics, rows_by_cell, 
             "length (tokens)", f"RULER average ÷ {reference} (95 % CI)", "Retention vs context length",
             errors={s: [(L, ratio[s][L].low, ratio[s][L].high) for L in lengths] for s in others}, logx=True,
             hline=1.0), "retention vs length")
-    accuracy_report.standard_sections(summary, by_length, reference, out_dir, per_unit=False)
-    summary.took(accuracy_report.cells_seconds(metrics),
+    standard_sections(summary, by_length, reference, out_dir, per_unit=False)
+    summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)
+
+
+class Ruler(AccuracyExperiment[AccuracyParams]):
+    def grid(self, run: Run[AccuracyParams]) -> tuple[list[GridCell], list[str]]:
+        bad = sorted({c.task.name for c in run.grid if c.task.family != "ruler"})
+        if bad:
+            raise UserError(f"the ruler experiment takes RULER tasks only; remove {bad} from exp.tasks")
+        return super().grid(run)
+
+    def write_summary(self, run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        return write_summary(run, cells, labels, metrics, rows_by_cell)
+
+
+EXPERIMENT = Ruler()

@@ -24,7 +24,7 @@ from systems.policies.base import Policy
 log = logging.getLogger("kvharness.engine")
 
 
-def _ids_ok(ids, vocab: int) -> bool:
+def _ids_ok(ids: Any, vocab: int) -> bool:
     # numbers.Integral: numpy and torch integer scalars are fine ids too; bool is an int but never a token
     return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= int(t) < vocab for t in ids)
 

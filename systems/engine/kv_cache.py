@@ -6,10 +6,13 @@ unless the device is CUDA.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from systems.engine.block_pool import BlockPool
 from systems.engine.ops import load_ops
+from systems.policies.base import block_bytes
 
 GIB = 1 << 30
 ZEROED_POOL_BYTES = 256 << 20
@@ -25,7 +28,7 @@ def _pool(n: int, shape: tuple, dtype: torch.dtype, device: torch.device, pin: b
 class TieredKVCache:
     def __init__(self, *, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_model_len: int, device_memory_gb: float, host_memory_gb: float,
-                 dtype: torch.dtype, device: torch.device, ops=None, scale: float | None = None):
+                 dtype: torch.dtype, device: torch.device, ops: Any = None, scale: float | None = None) -> None:
         """`scale`: the model's softmax scale of q.k (None: head_dim ** -0.5; Gemma 3 sets query_pre_attn_scalar)."""
         self.num_layers, self.num_q_heads, self.num_kv_heads = num_layers, num_q_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype, self.device = head_dim, page_size, dtype, torch.device(device)
@@ -33,7 +36,7 @@ class TieredKVCache:
         self.max_pages = -(-max_model_len // page_size)
         self.ops = ops or load_ops(self.device)
         elem = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_block = 2 * page_size * head_dim * elem          # K and V of one page of one KV head
+        self.bytes_per_block = block_bytes(page_size, head_dim, elem)   # K and V of one page of one KV head
         cuda = self.device.type == "cuda"
         n_dev = int(device_memory_gb * GIB) // self.bytes_per_block + 1
         n_host = int(host_memory_gb * GIB) // self.bytes_per_block + 1
@@ -171,7 +174,7 @@ class TieredKVCache:
         self.kmax[slot, layer, hh, pp] = hi
 
     # ---- KVView: reading -----------------------------------------------------------------------------------------
-    def gather_tokens(self, slots: torch.Tensor, layer: int):
+    def gather_tokens(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         table, counts = self.decode_tables(slots, layer)
         B, H, Mp = table.shape
         ids = table.reshape(-1).long()
@@ -261,7 +264,8 @@ class TieredKVCache:
         self.kmax[ss, layer, hh, pages] = hi
 
     # ---- KVView: tiers ---------------------------------------------------------------------------------------------
-    def _copy(self, dst_k, dst_v, dst_ids, src_k, src_v, src_ids) -> None:
+    def _copy(self, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor, src_k: torch.Tensor,
+              src_v: torch.Tensor, src_ids: torch.Tensor) -> None:
         if self._copy_stream is None:
             dst_k.index_copy_(0, dst_ids, src_k.index_select(0, src_ids))
             dst_v.index_copy_(0, dst_ids, src_v.index_select(0, src_ids))
@@ -272,7 +276,8 @@ class TieredKVCache:
             dst_k.index_copy_(0, d, src_k.index_select(0, s).to(dst_k.device, non_blocking=True))
             dst_v.index_copy_(0, d, src_v.index_select(0, s).to(dst_v.device, non_blocking=True))
 
-    def offload_pages(self, slots, layers, heads, pages) -> None:
+    def offload_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor
+                      ) -> None:
         s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if s.numel() == 0:
             return
@@ -286,7 +291,8 @@ class TieredKVCache:
         self._copy(self.host_k_pool, self.host_v_pool, host.cpu(), self.k_pool, self.v_pool, dev)
         self.bytes_device_to_host += s.numel() * self.bytes_per_block
 
-    def release_device_pages(self, slots, layers, heads, pages) -> None:
+    def release_device_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor,
+                             pages: torch.Tensor) -> None:
         s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if self._copy_stream is not None:
             torch.cuda.current_stream().wait_stream(self._copy_stream)  # an offload may still read these blocks
@@ -294,7 +300,8 @@ class TieredKVCache:
         self.device_blocks.free(dev[dev != 0])
         self.block_table[s, lay, h, p] = 0
 
-    def promote_pages(self, slots, layers, heads, pages, recycle=None) -> None:
+    def promote_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
+                      recycle: torch.Tensor | None = None) -> None:
         s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
         if s.numel() == 0:
             return

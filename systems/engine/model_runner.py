@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -14,8 +15,8 @@ from systems.policies.base import DecodeStep, Policy, SeqInfo
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops,
-                 batch_invariant: bool = False, fused: bool = True):
+    def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops: Any,
+                 batch_invariant: bool = False, fused: bool = True) -> None:
         """`model` may be None for a runner that only runs decode_layer (decode_microbench). `fused`: pure decode
         steps run as fused C++ layers where the model and machine allow it (see fused_decode.unsupported)."""
         self.model, self.kv, self.policy, self.ops = model, kv, policy, attention_ops

@@ -7,6 +7,7 @@ own gate on the values that could make a row fail, whatever entry point a reques
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -15,7 +16,7 @@ from systems.engine.sequence import Sequence
 SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1      # int64, as OpenAI's and vLLM's `seed`
 
 
-def check_sampling(temperature, top_p, seed) -> None:
+def check_sampling(temperature: Any, top_p: Any, seed: Any) -> None:
     """Raise ValueError naming the field when a sampling value could not drive the sampler."""
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

@@ -9,14 +9,18 @@ import torch
 from systems.base import Completion, GenerationRequest, MemoryReport, cut_at_stop
 from systems.engine.engine import Engine
 from systems.policies import load_policy
+from systems.policies.base import Policy
 
 
 class EngineSystem:
     supports_forced_decoding = True     # GenerationRequest.forced_output_ids / logprob_steps are honoured
+
     def __init__(self, model_dir: str, policy_name: str, policy_params: dict | None, engine: Any,
                  dtype: str = "auto", name: str = "engine-dense", device: str | None = None,
-                 max_model_len: int | None = None):
-        policy = load_policy(policy_name, policy_params)   # bad params fail here, before the model loads
+                 max_model_len: int | None = None, policy: Policy | None = None):
+        """`policy`: the policy already parsed from `policy_name` / `policy_params` (the harness parses a config
+        once and hands the object down); None parses them here. Bad params fail before the model loads."""
+        policy = policy if policy is not None else load_policy(policy_name, policy_params)
         from transformers import AutoTokenizer
 
         self.name = name

@@ -157,23 +157,47 @@ class KVView(KVDims, Protocol):
 _REGISTRY_HINT = "systems/policies/<name>.py exposing POLICY"
 
 
+def block_bytes(page_size: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one KV block: K and V of one page of one (layer, KV head). The one place this formula lives."""
+    return 2 * page_size * head_dim * element_bytes
+
+
 @dataclass
 class Policy:
     """Base of every KV policy: subclasses add hyperparameter fields and override the hooks they need."""
 
     name: ClassVar[str] = "base"
     mode: ClassVar[str] = "physical"    # 'simulated' if savings are only masked
+    # keeps and reads every token (dense): a shared budget does not apply to it by design, and a backend that runs no
+    # KV policies runs exactly such a policy
+    full_cache: ClassVar[bool] = False
+    profile_schema: ClassVar[tuple[str, ...]] = ()      # keys its profile JSON must hold; () = it needs no profile
+    profiler: ClassVar[str | None] = None               # the experiment (conf/exp name) that makes its profile
 
     # ---- what the harness asks a policy (defaults here; a policy overrides what differs) ----------------------------
     @classmethod
     def has_budget(cls) -> bool:
-        """Whether one shared token budget applies to this policy (a `budget` hyperparameter)."""
+        """Whether one shared token budget maps onto this policy's knobs (default: it has a `budget` knob; a policy
+        whose knob has another name overrides this, with_budget and budget_of)."""
         return "budget" in {f.name for f in dataclasses.fields(cls)}
 
     @classmethod
     def with_budget(cls, params: dict[str, Any], budget: int) -> dict[str, Any]:
         """`params` with a shared token budget applied: how the budget maps onto this policy's knobs."""
         return {**params, "budget": budget} if cls.has_budget() else dict(params)
+
+    @classmethod
+    def budget_of(cls, params: dict[str, Any]) -> Any:
+        """The token budget `params` set (the inverse of with_budget; an int when the params are valid), or None."""
+        return params.get("budget") if cls.has_budget() else None
+
+    @classmethod
+    def budget_left_out(cls) -> str | None:
+        """Why a shared budget leaves this policy as configured, for the summary to say so; None when the budget
+        applies or the policy keeps the full cache by design."""
+        if cls.full_cache or cls.has_budget():
+            return None
+        return f"policy {cls.name!r} maps no shared budget onto its knobs"
 
     @classmethod
     def with_heldout_task(cls, params: dict[str, Any], task: str) -> dict[str, Any]:

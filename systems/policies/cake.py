@@ -71,7 +71,7 @@ class Cake(Policy):
     decode_evict: bool = True           # official: decode keeps each layer at B_l + S_w
     decode_pool_order: str = "storage"  # storage (official cache order, by score) | position
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.window < 1 or self.budget <= self.window:
             raise ValueError(f"cake needs budget > window >= 1, got budget={self.budget} window={self.window}")
         ind.check_choice("allocation", self.allocation, alloc.ALLOCATIONS)

@@ -11,6 +11,7 @@ class Dense(Policy):
     """No hyperparameters; the base hooks already mean 'keep everything, read everything'."""
 
     name = "dense"
+    full_cache = True
 
 
 POLICY = Dense

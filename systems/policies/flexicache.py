@@ -22,12 +22,13 @@ Where this departs from the official fork, and why:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo, block_bytes
 from systems.policy_support import profiles, selection
 
 
@@ -43,6 +44,9 @@ class FlexiCache(Policy):
     naive: bool = False               # rerank every head every step
 
     name = "flexicache"
+    profile_schema = ("model", "task", "K", "W", "page_size", "num_layers", "num_kv_heads", "unstable_heads",
+                      "head_stats")
+    profiler = "head_stability"
 
     @classmethod
     def with_heldout_task(cls, params: dict[str, Any], task: str) -> dict[str, Any]:
@@ -85,7 +89,7 @@ class FlexiCache(Policy):
         super().bind(kv)
         self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
         elem = kv.k_pool.element_size()
-        self.bytes_per_block = 2 * kv.page_size * kv.head_dim * elem
+        self.bytes_per_block = block_bytes(kv.page_size, kv.head_dim, elem)
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
         self._stats: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, tuple] = {}
@@ -96,7 +100,7 @@ class FlexiCache(Policy):
             return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
         path = self._profile_path
         assert path is not None                    # set whenever unstable_heads is not given
-        prof = profiles.load_profile(path, "flexicache")
+        prof = profiles.load_profile(path, "flexicache", self.profile_schema)
         if (prof["num_layers"], prof["num_kv_heads"]) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"flexicache profile {path} is for {prof['num_layers']} layers x {prof['num_kv_heads']} "
                              f"KV heads, the model has {kv.num_layers} x {kv.num_kv_heads}; profile this model")
@@ -158,7 +162,7 @@ class FlexiCache(Policy):
         stats["copy_time_s"] += time.perf_counter() - t0
 
     @staticmethod
-    def _tier_call(fn, slot, layer, heads, pages) -> None:
+    def _tier_call(fn: Callable[..., None], slot: int, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> None:
         n = heads.numel()
         fn(torch.full((n,), slot, dtype=torch.long, device=heads.device),
            torch.full((n,), layer, dtype=torch.long, device=heads.device), heads, pages)
@@ -247,7 +251,8 @@ class FlexiCache(Policy):
         chosen = selection.as_mask(top, M)
         self._swap(kv, step, rows, heads, resident, chosen)
 
-    def _swap(self, kv: KVView, step: DecodeStep, rows, heads, resident, chosen) -> None:
+    def _swap(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, heads: torch.Tensor, resident: torch.Tensor,
+              chosen: torch.Tensor) -> None:
         """Promote the pages new in `chosen` into the blocks of the pages that left it, free the leftovers."""
         R, S, M = resident.shape
         incoming, evicted = selection.swap_map(resident.reshape(R * S, M), chosen.reshape(R * S, M))

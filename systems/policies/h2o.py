@@ -7,7 +7,8 @@ the scores with them, so the cache stays at `budget`. Default split: half heavy 
 setting (heavy_ratio = recent_ratio = 0.1), so one shared `budget` sweeps it like the other policies; the real-drop
 class default is heavy 4 + recent 512 (budget 516, recent_size 512). GQA: the official
 assumes Hq == Hkv; scores are reduced over each KV head's query group with `aggregation` (sum, H2O's own reduction).
-Scores live per (slot, layer, head) in a ledger cleared on every reset (the official needs `_clean_scores`).
+Scores live per (slot, layer, head) in the score-and-keep ledger, cleared on every reset (the official needs
+`_clean_scores`).
 """
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ import torch
 
 from systems.policies.base import DecodeStep, KVView, SeqInfo
 from systems.policy_support import indicators as ind
-from systems.policy_support.fixed_budget import LedgerBudget
+from systems.policy_support.score_and_keep import ScoreAndKeep
 
 
 @dataclass
-class H2O(LedgerBudget):
-    ledger_scores: ClassVar[bool] = True   # accumulated attention rides along with each token
+class H2O(ScoreAndKeep):
     name = "h2o"
+    accumulate: ClassVar[bool] = True   # the attention a token receives adds up over prefill and every decode step
 
     budget: int = 1024                  # heavy + recent tokens per layer and KV head, recent included
     recent_size: Optional[int] = None   # None = budget // 2 (H2O's heavy_ratio = recent_ratio); class default 512
@@ -35,44 +36,22 @@ class H2O(LedgerBudget):
         """A shared budget splits into heavy and recent halves (the recent size follows the budget)."""
         return {**params, "budget": budget, "recent_size": None}
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.recent = self.budget // 2 if self.recent_size is None else self.recent_size
         if not 0 <= self.recent < self.budget:
             raise ValueError(f"h2o needs 0 <= recent_size < budget, got budget={self.budget} recent={self.recent}")
         ind.check_choice("aggregation", self.aggregation, ind.AGGREGATIONS)
 
-    def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        n = k.shape[0]
-        score = ind.accumulated_attention(q, k, kv.scale, self.aggregation)     # [Hkv, n]
-        if n <= self.budget:
-            self.ledger.set(seq.slot, layer, torch.arange(n, device=k.device).expand(k.shape[1], n), score)
-            return
-        keep = ind.top_keep(score[:, :n - self.recent], self.budget - self.recent, self.recent, n)
-        kv.keep_tokens(seq.slot, layer, keep)
-        kept = torch.stack(keep)                                                 # storage == position order here
-        self.ledger.set(seq.slot, layer, kept, score.gather(-1, kept))
+    def window_size(self) -> int:
+        return self.recent
 
-    def after_append(self, kv: KVView, step: DecodeStep) -> None:
-        slots, layer, led = step.slots, step.layer, self.ledger
-        hkv = kv.num_kv_heads
-        led.append(slots, layer, torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device),
-                   torch.zeros(len(slots), hkv, device=slots.device))
-        k, _, counts = kv.gather_tokens(slots, layer)
-        probs = ind.decode_attention(step.q, k, counts, kv.scale)              # [B, Hq, N], 0 on padding
-        n = probs.shape[-1]
-        s = slots.long()
-        led.scores[s, layer, :, :n] += ind.group_reduce(probs.transpose(0, 1), hkv, self.aggregation).transpose(0, 1)
-        over = (counts[:, 0] > self.budget).nonzero().flatten()
-        if over.numel() == 0:
-            return
-        sub = slots[over]
-        pos, cnt = led.view(sub, layer, n)
-        newest = torch.tensor([step.seqs[i].seq_len for i in over.tolist()], device=pos.device).view(-1, 1, 1)
-        protected = (pos >= newest - self.recent) | (torch.arange(n, device=pos.device).view(1, 1, n) >=
-                                                     cnt.unsqueeze(-1))
-        victim = led.scores[sub.long(), layer, :, :n].masked_fill(protected, float("inf")).argmin(-1)
-        heads = torch.arange(hkv, device=pos.device).expand(len(sub), hkv)
-        led.drop(kv, sub.view(-1, 1).expand(len(sub), hkv).reshape(-1), layer, heads.reshape(-1), victim.reshape(-1))
+    def prefill_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return ind.accumulated_attention(q, k, kv.scale, self.aggregation)
+
+    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, k: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+        probs = ind.decode_attention(step.q[rows], k, counts, kv.scale)          # [R, Hq, N], 0 on padding
+        return ind.group_reduce(probs.transpose(0, 1), kv.num_kv_heads, self.aggregation).transpose(0, 1)
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         return {**super().kv_stats(kv, seq), "budget_tokens_per_layer": self.budget, "recent_size": self.recent,

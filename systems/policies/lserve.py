@@ -43,6 +43,8 @@ class LServe(Policy):
     granularity: str = "query_head"       # query_head (omniserve's per-(batch, query head) selector) | kv_head
 
     name = "lserve"
+    profile_schema = ("model", "task", "proxy", "num_layers", "num_kv_heads", "head_scores")
+    profiler = "duo_attention"      # learned gates; head_stability makes the attention-mass proxy profile
 
     def __post_init__(self) -> None:
         if self.budget <= 0 or self.physical_page <= 0 or self.budget % self.physical_page:
@@ -57,7 +59,7 @@ class LServe(Policy):
             self.streaming_heads = [[int(x) for x in pair] for pair in self.streaming_heads]
         elif not Path(self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)).is_file():
             raise ValueError(f"lserve: no profile of {self.profile_model!r} on {self.profile_task!r} "
-                             f"({self.profile or 'shipped'}); run `python -m harness +exp=head_stability "
+                             f"({self.profile or 'shipped'}); run `python -m harness +exp={self.profiler} "
                              f"exp.params.ship=true` or set params.streaming_heads")
 
     # ---- setup ---------------------------------------------------------------------------------------------------
@@ -89,7 +91,7 @@ class LServe(Policy):
         if self.streaming_heads is not None:
             return profiles.head_list(self.streaming_heads, kv.num_layers, kv.num_kv_heads, "lserve")
         path = self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)
-        prof = profiles.load_profile(path, "lserve")
+        prof = profiles.load_profile(path, "lserve", self.profile_schema)
         scores = torch.tensor(prof["head_scores"], dtype=torch.float64)
         if tuple(scores.shape) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"lserve profile {path} scores {tuple(scores.shape)} heads, the model has "
@@ -168,7 +170,8 @@ class LServe(Policy):
             return None
         return selection.compact(read)      # [B, Hq, K] per query head, [B, Hkv, K] per KV head
 
-    def _refresh(self, kv: KVView, step: DecodeStep, units, num_pages, width) -> None:
+    def _refresh(self, kv: KVView, step: DecodeStep, units: torch.Tensor, num_pages: torch.Tensor, width: int
+                 ) -> None:
         """Recompute the physical-page choice of the rows whose reuse period is over."""
         layer = step.layer
         due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]

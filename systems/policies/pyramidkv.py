@@ -27,7 +27,7 @@ class PyramidKV(SnapKV):
     gqa_pool: str = "group_then_pool"   # KVCache-Factory's per-KV-head mode: average the group, then pool
     beta: int = 20              # min_num = (C - S_w) // beta
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         super().__post_init__()
         if self.beta < 1:
             raise ValueError(f"pyramidkv: beta must be >= 1, got {self.beta}")

@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from systems.policies.base import KVView, Policy, SeqInfo
+from systems.policies.base import KVView, SeqInfo
 from systems.policy_support import allocation as alloc
 from systems.policy_support import indicators as ind
+from systems.policy_support.score_and_keep import ScoreAndKeep
 
 
 @dataclass
-class SnapKV(Policy):
+class SnapKV(ScoreAndKeep):
     name = "snapkv"
 
     budget: int = 1024          # max_capacity_prompt C: tokens per layer and KV head after prefill, window included
@@ -32,7 +33,7 @@ class SnapKV(Policy):
     aggregation: str = "mean"   # over the GQA group: mean | max | sum
     gqa_pool: str = "pool_then_group"   # pool each query head, then aggregate (the official pools per query head)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.window < 1 or self.budget <= self.window:
             raise ValueError(f"{self.name} needs budget > window >= 1, got budget={self.budget} window={self.window}")
         if self.kernel < 1:
@@ -47,30 +48,24 @@ class SnapKV(Policy):
             return None
         return alloc.uniform_budgets(self.budget - self.window, self.num_layers)
 
-    def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
-        """Prefill-only: min(prompt, budget) tokens after prefill, then every decode token appended."""
-        held = min(prompt_len, self.budget) + output_tokens - 1
-        return self.num_layers * self.num_kv_heads * -(-held // self.page_size)
+    def window_size(self) -> int:
+        return self.window
 
-    def expected_blocks_slack(self) -> int:
-        return self.num_layers * self.num_kv_heads      # per-layer budgets round up to pages once per layer
+    def prefill_budget(self, n: int, layer: int) -> int | None:
+        budgets = self.layer_budgets(n)
+        return None if budgets is None else budgets[layer]
+
+    def prefill_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        attn = ind.window_attention(q, k, self.window, kv.scale)
+        return ind.window_indicator(attn, kv.num_kv_heads, "sum", kernel=self.kernel, pooling=self.pooling,
+                                    aggregation=self.aggregation, gqa_pool=self.gqa_pool)
 
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         budgets = self.layer_budgets(prompt_len)
         if budgets is None:
-            return super().device_blocks_needed(prompt_len, max_new_tokens)
+            return -(-prompt_len // self.page_size) * self.num_layers * self.num_kv_heads
         return alloc.prefill_blocks_bound(prompt_len, [b + self.window for b in budgets], self.page_size,
                                           self.num_kv_heads)
-
-    def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
-        n = k.shape[0]
-        budgets = self.layer_budgets(n)
-        if budgets is None:
-            return
-        attn = ind.window_attention(q, k, self.window, kv.scale)
-        scores = ind.window_indicator(attn, kv.num_kv_heads, "sum", kernel=self.kernel, pooling=self.pooling,
-                                      aggregation=self.aggregation, gqa_pool=self.gqa_pool)
-        kv.keep_tokens(seq.slot, layer, ind.top_keep(scores, budgets[layer], self.window, n))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         budgets = self.layer_budgets(seq.prefill_len)

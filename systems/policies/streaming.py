@@ -25,7 +25,7 @@ class StreamingLLM(LedgerBudget):
     budget: int = 2004          # start_size + recent_size tokens per layer, sinks included
     sink_size: int = 4          # start_size
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.sink_size < 0 or self.budget <= self.sink_size:
             raise ValueError(f"streaming needs budget > sink_size >= 0, got budget={self.budget} "
                              f"sink_size={self.sink_size}")

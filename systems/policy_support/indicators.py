@@ -9,6 +9,8 @@ official codes pool per head) and then reduced over the GQA group with a named a
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -215,7 +217,7 @@ class TokenLedger:
         s = slots.long()
         return self.pos[s, layer, :, :n].long(), self.count[s, layer]
 
-    def drop(self, kv, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
+    def drop(self, kv: Any, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
         """kv.drop_tokens (the head's last token moves into the hole), mirrored here."""
         if slots.numel() == 0:
             return

@@ -15,6 +15,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from systems.engine.models.spec import ModelSpec, rope_inv_freq
 __all__ = ["LayerWeights", "LlamaModel", "ModelSpec", "fused_cpu_steps", "rotate_half"]
 
 
-def fused_cpu_steps(device: torch.device, dtype: torch.dtype):
+def fused_cpu_steps(device: torch.device, dtype: torch.dtype) -> Any:
     """The fused elementwise CPU kernels (residual add + RMSNorm, RoPE, SiLU gate: ops/cpu_model.cpp) where they are
     built, else None (the torch expressions below, which round identically)."""
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):

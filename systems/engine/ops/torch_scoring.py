@@ -1,6 +1,8 @@
 """Quest-style page scores and top-K page sets from the MinMax key cache (torch reference, every device)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -48,7 +50,7 @@ def topk_pages(scores: torch.Tensor, num_pages: torch.Tensor, k: int, keep_last:
 
 def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor, page_size: int,
               k: int, keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
-              scorer=page_scores) -> torch.Tensor:
+              scorer: Callable[..., torch.Tensor] = page_scores) -> torch.Tensor:
     """page_scores (by `scorer`, the device's kernel) then topk_pages: [B, H, min(k, M)] int64, PAD-padded.
 
     num_tokens: [S, Hkv'] tokens each head holds, indexed by rows and heads like kmin/kmax (one layer's slice of the

@@ -1,8 +1,9 @@
 """Project-made head profiles (FlexiCache unstable heads, LServe streaming heads): file names, JSON I/O, lookup.
 
 A profile is one small JSON file named `<kind>__<model>__<task>.json` in this folder (shipped with the package) or
-anywhere on disk (pass a path). `find_profile` applies FlexiCache's leave-one-out rule: the task under evaluation is
-never served by a profile made on that same task.
+anywhere on disk (pass a path); `kind` is the name of the policy it serves, and the keys it must hold are that
+policy's `profile_schema` (passed in by whoever reads or writes it). `find_profile` applies FlexiCache's leave-one-out
+rule: the task under evaluation is never served by a profile made on that same task.
 """
 from __future__ import annotations
 
@@ -12,22 +13,18 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_DIR = Path(__file__).resolve().parent
-REQUIRED = {
-    "flexicache": ("model", "task", "K", "W", "page_size", "num_layers", "num_kv_heads", "unstable_heads",
-                   "head_stats"),
-    "lserve": ("model", "task", "proxy", "num_layers", "num_kv_heads", "head_scores"),
-}
 
 
 def profile_path(kind: str, model: str, task: str, folder: Path | str = PROFILE_DIR) -> Path:
     return Path(folder) / f"{kind}__{model}__{task}.json"
 
 
-def save_profile(path: Path | str, profile: dict[str, Any]) -> Path:
+def save_profile(path: Path | str, profile: dict[str, Any], required: Sequence[str] = ()) -> Path:
+    """Write `profile` (its `kind`: the policy it serves) after checking it holds the `required` keys."""
     kind = profile.get("kind")
-    if kind not in REQUIRED:
-        raise ValueError(f"profile kind {kind!r} unknown; use one of {sorted(REQUIRED)}")
-    missing = [k for k in REQUIRED[kind] if k not in profile]
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"a profile names the policy it serves in `kind`, got {kind!r}")
+    missing = [k for k in required if k not in profile]
     if missing:
         raise ValueError(f"{kind} profile lacks {missing}")
     path = Path(path)
@@ -38,7 +35,8 @@ def save_profile(path: Path | str, profile: dict[str, Any]) -> Path:
     return path
 
 
-def load_profile(path: Path | str, kind: str) -> dict[str, Any]:
+def load_profile(path: Path | str, kind: str, required: Sequence[str] = ()) -> dict[str, Any]:
+    """The profile at `path`, checked to serve `kind` and to hold the `required` keys."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{kind} profile {path} not found; run `python -m harness +exp=head_stability` or pass "
@@ -46,7 +44,7 @@ def load_profile(path: Path | str, kind: str) -> dict[str, Any]:
     profile = json.loads(path.read_text())
     if profile.get("kind") != kind:
         raise ValueError(f"{path} is a {profile.get('kind')!r} profile, expected {kind!r}")
-    missing = [k for k in REQUIRED[kind] if k not in profile]
+    missing = [k for k in required if k not in profile]
     if missing:
         raise ValueError(f"{path}: {kind} profile lacks {missing}; regenerate it")
     return profile

@@ -1,0 +1,103 @@
+"""The `accuracy` kind and the base of every accuracy kind: systems × tasks scored on the same samples.
+
+Each cell is one system on one task (per-task params and budget sweeps expand the grid), run by
+`cells.run_accuracy_cell`; the reference (exp.params.reference, from config) runs first and every other cell is
+compared with it on the same samples (retention and teacher-forced fidelity). Engine systems decode batch-invariantly
+(`system_defaults`): a sample's tokens do not depend on which other samples share its batch, so a comparison is never
+decided by how requests happened to be batched. A kind subclasses `AccuracyExperiment` and writes its summary
+(`write_summary`); the `accuracy` kind itself reports any grid, with retention when it has a reference.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, TypeVar
+
+from harness.experiments.accuracy.cells import AccuracyItem, cell_config, collect, fidelity_plans, run_accuracy_cell
+from harness.experiments.accuracy.data import AccuracyData
+from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.sections import cells_seconds, standard_sections
+from harness.reporting import tables
+from harness.reporting.summary import cell_envs
+from harness.running.cells import StoredCell
+from harness.running.config import UserError
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.grid import GridCell, by_budget, with_task_params
+from harness.running.store import CellStore
+
+AP = TypeVar("AP", bound=AccuracyParams)
+
+
+class AccuracyExperiment(Experiment[AP]):
+    """Systems × tasks, scored per sample, compared with the reference on the same samples."""
+
+    params_type: ClassVar[type] = AccuracyParams
+    system_defaults: ClassVar[dict[str, Any]] = {"engine": {"batch_invariant": True}}
+
+    # ---- what a kind may change ------------------------------------------------------------------------------------
+    def grid(self, run: Run[AP]) -> tuple[list[GridCell], list[str]]:
+        """The kind's cells and labels: per-task params, then one cell per budget when exp.params.budgets is set."""
+        p = run.params
+        cells = with_task_params(run.cfg, run.grid, p.task_params)
+        return by_budget(run.cfg, cells, p.budgets, p.budget)
+
+    def label_of(self, stored: StoredCell) -> str:
+        """A finished cell's label in its own run (a multirun's other jobs)."""
+        return str(stored.system.name)
+
+    def write_summary(self, run: Run[AP], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        raise NotImplementedError
+
+    # ---- the experiment interface ----------------------------------------------------------------------------------
+    def cells(self, run: Run[AP]) -> list[Cell]:
+        grid, labels = self.grid(run)
+        plans = fidelity_plans(run.cfg, grid, labels, run.params.reference, run.out_dir)
+        return [Cell(key=c.key, config=cell_config(run.cfg, c), label=f"{c.system.name} × {c.task.name}",
+                     system=c.system, policy=c.policy, first=plan is not None and plan.role == "reference",
+                     item=AccuracyItem(c, label, plan)) for c, label, plan in zip(grid, labels, plans)]
+
+    def plan_cell(self, run: Run[AP], cell: Cell, store: CellStore) -> int:
+        """Render the cell's prompts (bad input fails before any generation) and size its largest request."""
+        if not isinstance(cell.item, AccuracyItem):           # a cell a kind adds beside its accuracy cells
+            return super().plan_cell(run, cell, store)
+        _, samples, prompts = run.workspace.task(cell.item.grid.task)
+        cell.units = len(samples)
+        if prompts:
+            longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
+            cell.fits = (len(prompts[longest]), samples[longest].max_new_tokens)
+        return len(samples) - len({s.id for s in samples} - store.done_ids())
+
+    def run_cell(self, run: Run[AP], cell: Cell, store: CellStore) -> dict:
+        return run_accuracy_cell(run, cell.item, store)
+
+    def report(self, run: Run[AP], cells: list[Cell]) -> dict[str, str]:
+        mine = [c.item for c in cells if isinstance(c.item, AccuracyItem)]
+        found = collect(run, [i.grid for i in mine], [i.label for i in mine], self.label_of)
+        if not found[0]:
+            raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
+        return self.write_summary(run, *found)
+
+
+class Accuracy(AccuracyExperiment[AccuracyParams]):
+    """Any system × task grid (a single cell is `python -m harness`'s default run)."""
+
+    def write_summary(self, run: Run[AccuracyParams], cells: list[Any], labels: list[str], metrics: list[dict],
+                      rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
+        p = run.params
+        data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
+        summary = run.summary(envs=cell_envs(metrics))
+        if p.reference in data.systems and len(data.systems) > 1:
+            summary.glance(f"macro retention vs `{p.reference}`: {data.ranking(p.reference)}.")
+        else:
+            summary.glance(", ".join(f"{s} × {u}: {data.score(s, u).fmt(1)}" for u in data.units
+                                     for s in data.systems if data.n(s, u)) + " (score 0–100, 95 % CI).")
+        standard_sections(summary, data, p.reference, run.out_dir)
+        for cell, m in zip(cells, metrics):
+            grid = tables.length_depth_table(rows_by_cell.get(cell.key, []))
+            if grid:
+                summary.section(f"{m['system']} × {m['task']}: score by context length (tokens) × needle depth (%)")
+                summary.text(grid)
+        summary.took(cells_seconds(metrics))
+        return summary.write(run.out_dir)
+
+
+EXPERIMENT = Accuracy()

@@ -1,0 +1,20 @@
+"""exp.params of every accuracy kind: the reference, fidelity settings, per-task params, budgets, the size reasons."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from harness.running.params import GridParams
+
+FIDELITY_DEFAULTS = {"steps": 64, "gold": True}
+
+
+@dataclass
+class AccuracyParams(GridParams):
+    reference: Optional[str] = None            # system label retention and fidelity compare with; None: scores only
+    min_reference_score: float = 5.0           # units whose reference is less above chance are left out of averages
+    fidelity: Any = True                       # false | true | {steps, gold}: teacher-forced fidelity settings
+    task_params: dict[str, Any] = field(default_factory=dict)   # {task name: {param: value}} per-task overrides
+    budgets: Optional[list[int]] = None        # run every budgeted policy at each budget (`system@budget`)
+    size_reason: str = ""                      # why the committed grid is this size (printed in the summary)
+    budget_reason: str = ""

@@ -1,0 +1,84 @@
+"""The sections every accuracy summary shows: averages, the per-unit table, pairwise comparisons, the figures."""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from harness.experiments.accuracy.data import AccuracyData
+from harness.reporting import plots
+from harness.reporting.summary import Summary
+
+CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
+             "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
+             "pair by retention (and, with fidelity, the CSV's PAIRWISE_TOP1 rows by top-1 agreement).")
+
+DEFINITIONS = (
+    "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
+    "(reference − chance) on the samples both systems ran, its interval from a paired bootstrap (samples resampled "
+    "jointly for both systems; 10,000 resamples, seed 0); the macro retention averages task units and resamples "
+    "within each. `>` in a ranking means the paired interval of the two systems' difference excludes 0, `≈` that "
+    "this n cannot order them. Fidelity is teacher-forced on the reference's greedy output: top-1 agreement is, per "
+    "sample, the share of positions where the policy's own next token equals the reference's, KL is KL(reference ‖ "
+    "policy) over the full vocabulary in nats per position, both averaged over samples; Δ gold log-lik is log "
+    "p(gold answer | prompt) under the policy minus under the reference (nats, tasks with one gold answer). Device "
+    "KV is what a policy keeps on the device at the end of a request (resident pages × page size, tokens per layer "
+    "and KV head); retrieval policies keep the whole cache and spend their budget on the pages each step reads.")
+
+
+def standard_sections(summary: Summary, data: AccuracyData, reference: str | None, out_dir: Path, *,
+                      units: Sequence[str] | None = None, plot_name: str = "retention.png",
+                      per_unit: bool = True, pairwise_groups: Mapping[str, Sequence[str]] | None = None) -> None:
+    """Averages, the per-unit table (in the CSV only when not `per_unit`), the pairwise comparisons and the
+    retention / fidelity figures. `pairwise_groups` ({title: systems}) compares systems only within each group
+    (e.g. policies at the same budget) instead of every pair."""
+    units = list(units or data.units)
+    if reference is not None and reference in data.systems:
+        md, csv = data.average_table(reference, units)
+        summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
+        summary.csv(csv)
+    md, csv = data.unit_table(reference if reference in data.systems else None, units)
+    if per_unit:
+        summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
+    summary.csv(csv)
+    flagged = data.flagged(reference) if reference in data.systems else []
+    if flagged:
+        summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
+                     "out of every average.")
+    groups = pairwise_groups if pairwise_groups is not None else {"": [s for s in data.systems if s != reference]}
+    ref = reference if reference is not None and reference in data.systems else None
+    for title, systems in groups.items() if ref is not None else ():
+        assert ref is not None
+        md, csv = data.pairwise_table(ref, units, systems)
+        if md:
+            summary.section("Pairwise: difference in macro retention" + (f" ({title})" if title else "")).table(
+                AccuracyData.PAIRWISE_HEADER, md)
+        summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
+        if data.has("fid_top1"):
+            summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
+                         for r in data.fidelity_pairwise("fid_top1", ref, systems, units)])
+    summary.text(DEFINITIONS)
+    others = [s for s in data.systems if s != reference]
+    if reference in data.systems and others and per_unit:
+        use = [u for u in units if u not in flagged] or units
+        series = {u: [data.retention(s, u, reference).value for s in others] for u in use}
+        errors = {u: [(e.low, e.high) for e in (data.retention(s, u, reference) for s in others)] for u in use}
+        summary.image("png_retention", plots.bar_plot(
+            out_dir / plot_name, others, series, errors=errors, colour_by="group", reference=1.0,
+            reference_label=f"{reference} (= 1)", xlabel="system", ylabel=f"retention vs {reference} (95 % CI)",
+            title=f"Accuracy retention per task unit (n per unit: "
+                  f"{', '.join(str(data.n(reference, u)) for u in use)})"), "retention")
+    if reference in data.systems and others and data.has("fid_top1"):
+        top1 = [data.fidelity(s, "fid_top1", units) for s in others]
+        kl = [data.fidelity(s, "fid_kl", units) for s in others]
+        summary.image("png_fidelity", plots.bar_plot(
+            out_dir / plot_name.replace("retention", "fidelity"), others,
+            {"top-1 agreement": [e.value for e in top1], "KL (nats)": [e.value for e in kl]},
+            errors={"top-1 agreement": [(e.low, e.high) for e in top1], "KL (nats)": [(e.low, e.high) for e in kl]},
+            notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
+            ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
+            title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
+
+
+def cells_seconds(metrics: list[dict]) -> float:
+    """Wall seconds the cells spent generating and teacher-forcing, all sessions together."""
+    return sum(m.get("generation_seconds", 0) + m.get("fidelity_seconds", 0) for m in metrics)

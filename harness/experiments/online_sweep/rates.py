@@ -1,0 +1,96 @@
+"""The work of one online-sweep cell: one server per system, one stored JSON of measurements per arrival rate."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from harness.experiments.online_sweep.params import Params
+from harness.integrations.assets import essay_files
+from harness.measuring.cpu_usage import CpuMeter
+from harness.measuring.loadgen import Prompt, arrival_times, run_load
+from harness.measuring.servers import Server, start_server, wait_idle
+from harness.measuring.serving_stats import summarize as serving_stats
+from harness.running.experiment import Run
+from harness.running.grid import GridCell
+from harness.running.store import CellStore, atomic_write_json
+
+log = logging.getLogger("kvharness")
+
+
+def essay_windows(tokenizer: Any, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` windows of essay tokens starting at distinct offsets, so no two prompts share a prefix."""
+    text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in essay_files())
+    base = tokenizer.encode(text, add_special_tokens=False)
+    while len(base) <= length:
+        base = base + base
+    # Disjoint windows while they fit; beyond that, overlapping ones at distinct starts (wrapping around).
+    stride = length if count * length <= len(base) else max(1, len(base) // count)
+    ring = base + base[:length]
+    return [ring[s:s + length] for s in ((seed * 7919 + i * stride) % len(base) for i in range(count))]
+
+
+def run_rate(server: Server, prompts: list[Prompt], rate: float, p: Params, seed: int) -> dict[str, Any]:
+    arrivals = arrival_times(len(prompts), rate, p.process, p.burstiness, seed)
+    outputs, duration = asyncio.run(run_load(
+        server.url, server.model, prompts, list(arrivals), max_tokens=p.output_len, endpoint=p.endpoint,
+        temperature=0.0, ignore_eos=True, max_concurrency=p.max_concurrency, max_seconds=float(p.max_seconds)))
+    detail = {"ttfts": [o.ttft for o in outputs], "itls": [o.itl for o in outputs],
+              "output_lens": [o.output_tokens for o in outputs], "start_times": [o.start_time for o in outputs],
+              "latencies": [o.latency for o in outputs], "errors": [o.error for o in outputs],
+              "statuses": [o.status for o in outputs], "arrivals": list(map(float, arrivals))}
+    return {"summary": serving_stats(outputs, duration, goodput=p.goodput or None, percentiles=p.percentiles),
+            "detail": detail}
+
+
+def _with_cpu(result: dict) -> dict:
+    cpu = result.get("cpu") or {}
+    return {**result["summary"], "cores_busy": cpu.get("cores_busy"), "busy_threads": cpu.get("busy_threads"),
+            "cpus_allowed": cpu.get("cpus_allowed")}
+
+
+def key_of(cell: GridCell, p: Params) -> str:
+    tag = p.process + (f"{p.burstiness:g}" if p.process == "gamma" else "")
+    return (cell.key.replace(f"__{cell.task.name}", "", 1)
+            + f"__{tag}_in{p.input_len}_out{p.output_len}_n{p.num_prompts}")
+
+
+def rate_path(store: CellStore, rate: float) -> Path:
+    return store.root / f"rate_{rate:g}.json"
+
+
+def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: CellStore) -> dict:
+    """One system's rows: the rates not on disk yet measured behind one server started for them all."""
+    p, cfg, n = run.params, run.cfg, run.params.num_prompts
+    todo = [r for r in p.rates if not rate_path(store, r).is_file()]
+    server, rows = None, []
+    try:
+        if todo:
+            log.info("%s: starting its server for rates %s", cell.system.name, todo)
+            server = start_server(cell.system, run.workspace.model_dir.resolve(), cfg.model, store.root,
+                                  p.startup_timeout_s, p.max_queue)
+            for w in windows[n:]:
+                asyncio.run(run_load(server.url, server.model, [Prompt(w, len(w))], [0.0], max_tokens=4,
+                                     max_seconds=float(p.max_seconds)))
+        for rate in p.rates:
+            path = rate_path(store, rate)
+            if rate in todo:
+                assert server is not None
+                wait_idle(server)
+                with CpuMeter(server.process.pid) as meter:      # the server's whole process tree
+                    result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
+                result["cpu"] = meter.usage.as_dict() if meter.usage else None
+                atomic_write_json(path, result)
+                s = result["summary"]
+                log.info("rate %g, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate, cell.system.name,
+                         s["completed"], n, s["mean_ttft_ms"], s["mean_tpot_ms"])
+                run.advance(1)
+            rows.append({"system": cell.system.name, "request_rate": rate, "burstiness": p.burstiness,
+                         "num_prompts": n, "input_len": p.input_len, "output_len": p.output_len,
+                         **_with_cpu(json.loads(path.read_text()))})
+    finally:
+        if server is not None:
+            server.close()
+    return {"system": cell.system.name, "rates": p.rates, "rows": rows}

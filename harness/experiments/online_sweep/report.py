@@ -1,0 +1,100 @@
+"""The online sweep's summary: latency tables and figures per rate, and whether a system kept up with a rate."""
+from __future__ import annotations
+
+from harness.experiments.online_sweep.params import Params
+from harness.reporting import plots
+from harness.reporting.tables import fmt
+from harness.running.experiment import Run
+
+STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")]
+CSV_KEYS = ["system", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed", "failed",
+            "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
+            "total_token_throughput", "total_input_tokens", "total_output_tokens", *STAT_KEYS,
+            "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed"]
+
+
+SUSTAINED = ("every request done, the last within 1/0.9 of the time a queue-free run needs: the last arrival plus "
+             "the system's mean E2EL at its lowest rate")
+
+
+def sustains(r: dict, rows: list[dict]) -> bool:
+    """The system kept up with rate r: every request completed, and the run ended within 1/0.9 of the time it would
+    take with no queue (the last arrival, at num_prompts / rate, plus the system's mean E2EL at its lowest rate).
+
+    Requests served at the pace they arrive finish one service time after the last arrival; a growing queue pushes
+    the end further out. Completed ÷ duration ≥ 0.9 × rate (vLLM bench's throughput against the offered rate)
+    counts that service time as lost throughput, so long requests never pass it at any rate."""
+    own = [x for x in rows if x["system"] == r["system"] and x.get("mean_e2el_ms")]
+    if r["completed"] != r["num_prompts"] or not own or not r.get("duration"):
+        return False
+    service_s = min(own, key=lambda x: x["request_rate"])["mean_e2el_ms"] / 1e3
+    return r["duration"] <= (r["num_prompts"] / r["request_rate"] + service_s) / 0.9
+
+
+def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
+    """`focus`'s mean TPOT ratio to each system of `versus`, at the highest rate versus[0] sustains."""
+    base = [r for r in rows if r["system"] == versus[0] and sustains(r, rows)]
+    if base:
+        rate = max(r["request_rate"] for r in base)
+        where = f"at {rate:g} req/s, the highest rate `{versus[0]}` sustains ({SUSTAINED})"
+    else:       # still state the ratio, at the least loaded point, and say that no rate is sustained
+        rate = min((r["request_rate"] for r in rows if r["system"] == versus[0]), default=None)
+        if rate is None:
+            return None
+        where = f"`{versus[0]}` sustains none of the rates ({SUSTAINED}); at the lowest, {rate:g} req/s"
+    at = {r["system"]: r for r in rows if r["request_rate"] == rate}
+    if focus not in at or not at[focus]["mean_tpot_ms"]:
+        return None
+    parts = [f"{at[v]['mean_tpot_ms'] / at[focus]['mean_tpot_ms']:.2f}× lower than `{v}`'s "
+             f"({at[v]['mean_tpot_ms']:.0f} ms)" for v in versus if v in at]
+    return (f"{where}, `{focus}`'s mean TPOT ({at[focus]['mean_tpot_ms']:.0f} ms) is " + " and ".join(parts)
+            + " (below 1×: higher).")
+
+
+def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
+    summary = run.summary(envs=envs)
+    if rows:
+        top = max(r["request_rate"] for r in rows)
+        summary.glance(f"at {top:g} req/s (the highest rate) mean " + "; ".join(
+            f"`{r['system']}` TPOT {fmt(r['mean_tpot_ms'])} ms, TTFT {fmt(r['mean_ttft_ms'])} ms (p99 "
+            f"{fmt(r['p99_ttft_ms'])}), {r['completed']}/{r['num_prompts']} completed"
+            for r in rows if r["request_rate"] == top) + ".",
+            [line] if p.focus and p.versus and (line := focus_line(rows, p.focus, p.versus)) else ())
+    arrivals = p.process + (f" (burstiness {p.burstiness:g})" if p.process == "gamma" else "")
+    summary.text(f"{p.num_prompts} requests per rate × ({p.input_len} prompt tokens + {p.output_len} output tokens, "
+                 f"EOS ignored, greedy), {arrivals} arrivals rescaled so the last lands at N/rate, each rate capped "
+                 f"at {p.max_seconds:g} s. Latencies in ms.")
+    keys = ["system", "request_rate", "completed", "failed", "request_throughput", "output_throughput",
+            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+            "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "max_concurrent_requests", "cores_busy", "busy_threads",
+            "cpus_allowed"]
+    summary.table(["system", "rate req/s", "done", "failed", "req/s", "out tok/s", "mean TTFT", "median TTFT",
+                   "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT", "mean ITL", "p99 ITL", "mean E2EL",
+                   "peak concurrency", "cores busy", "busy threads", "CPUs"], [[r.get(k) for k in keys] for r in rows],
+                  1)
+    summary.text("Cores busy = the server process tree's CPU seconds ÷ the rate's wall time; busy threads ran for at "
+                 "least 10 % of it; CPUs = the cores its processes may use (all from /proc). Both servers get the "
+                 "same cores, device KV capacity (`engine.device_memory_gb`; vLLM's kv_cache_memory_bytes), "
+                 "max_num_seqs and max_num_batched_tokens.")
+    summary.text("Definitions (`vllm bench serve`): TTFT = first token chunk − request start; TPOT = (E2EL − TTFT) / "
+                 "(output tokens − 1) per request; ITL = gaps between consecutive token chunks pooled over requests; "
+                 "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "
+                 "most requests in flight in any second. Every server streams one chunk per token.")
+    if p.goodput:
+        summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in summary.csv.")
+    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows])
+    if rows:
+        by = {s: sorted((r for r in rows if r["system"] == s), key=lambda r: r["request_rate"])
+              for s in dict.fromkeys(r["system"] for r in rows)}
+        summary.image("tpot_png", plots.line_plot(
+            out_dir / "tpot_vs_rate.png",
+            {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
+            "request rate (requests/s)", "mean TPOT (ms)", "Mean TPOT vs request rate"), "TPOT vs rate")
+        summary.image("ttft_png", plots.line_plot(
+            out_dir / "ttft_vs_rate.png",
+            {s: [(r["request_rate"], r["mean_ttft_ms"]) for r in rs] for s, rs in by.items()},
+            "request rate (requests/s)", "mean TTFT (ms)", "Mean TTFT vs request rate",
+            dashed={s: [(r["request_rate"], r["p99_ttft_ms"]) for r in rs] for s, rs in by.items()},
+            dashed_label="p99 (dashed)"), "TTFT vs rate")
+    return summary.write(out_dir)

