@@ -210,6 +210,11 @@ class VLLMBackend(Backend):
         return None if importlib.util.find_spec("vllm") is not None else f"vLLM is not installed; {INSTALL_HINT}"
 
     @classmethod
+    def _eager(cls, system_cfg: Any) -> bool:
+        """Whether the config asks for eager mode instead of vLLM's default execution (system.vllm_execution)."""
+        return getattr(system_cfg, "vllm_execution", "default") == "eager"
+
+    @classmethod
     def _cores(cls, system_cfg: Any) -> str:
         from systems.hardware import allowed_cpus, cpu_list_text
 
@@ -224,7 +229,8 @@ class VLLMBackend(Backend):
         return VLLMSystem(str(model_dir), dtype=model_cfg.dtype, max_model_len=model_cfg.max_model_len,
                           name=system_cfg.name, kv_cache_space_gb=eng.device_memory_gb, max_num_seqs=eng.max_num_seqs,
                           max_num_batched_tokens=eng.max_num_batched_tokens,
-                          enable_chunked_prefill=eng.chunked_prefill, omp_threads_bind=cls._cores(system_cfg))
+                          enable_chunked_prefill=eng.chunked_prefill, omp_threads_bind=cls._cores(system_cfg),
+                          enforce_eager=cls._eager(system_cfg))
 
     @classmethod
     def on_cores(cls, system_cfg: Any, cores: list[int]) -> None:
@@ -243,6 +249,7 @@ class VLLMBackend(Backend):
                      extra_args=["--max-num-batched-tokens", str(eng.max_num_batched_tokens),
                                  "--enable-chunked-prefill" if eng.chunked_prefill else "--no-enable-chunked-prefill"],
                      omp_threads_bind=cls._cores(system_cfg), served_model_name=Path(settings.model_dir).name,
+                     enforce_eager=cls._eager(system_cfg),
                      startup_timeout_s=settings.startup_timeout_s, log_path=settings.log_path)
 
 

@@ -64,6 +64,7 @@ class MemoryReport:
     host_kv_peak_bytes: int | None = None
     bytes_host_to_device: int = 0
     bytes_device_to_host: int = 0
+    execution: str = ""          # how the system ran its forward passes, in words (summaries name it)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -63,7 +63,7 @@ class HFSystem:
         self._peak_kv = 0
 
     def memory_report(self) -> MemoryReport:
-        return MemoryReport(mode="physical", device_kv_peak_bytes=self._peak_kv,
+        return MemoryReport(mode="physical", execution="transformers generate()", device_kv_peak_bytes=self._peak_kv,
                             extra={"note": "dense HF cache of the padded batch: rows x padded length"})
 
     def close(self) -> None:

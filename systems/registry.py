@@ -59,11 +59,17 @@ def check_policy(policy: str, params: dict) -> None:
     parse_policy(policy, params)
 
 
+VLLM_EXECUTION = ("default", "eager")
+
+
 def check_system(system_cfg: Any) -> Policy:
     """Cheap checks that need no model, run before any expensive work; returns the system's policy, parsed."""
     backend = backend_of(system_cfg)
     if system_cfg.batch_size <= 0:
         raise SystemConfigError(f"system.batch_size must be positive, got {system_cfg.batch_size}")
+    execution = getattr(system_cfg, "vllm_execution", "default")
+    if execution not in VLLM_EXECUTION:
+        raise SystemConfigError(f"system.vllm_execution must be one of {list(VLLM_EXECUTION)}, got {execution!r}")
     policy = parse_policy(system_cfg.policy, dict(system_cfg.params))
     if not backend.runs_policies and not policy.full_cache:
         raise SystemConfigError(f"system {system_cfg.name!r}: backend {backend.name} runs no KV policy (only one that "

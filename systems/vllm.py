@@ -100,12 +100,22 @@ def _finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
     return "stop" if isinstance(stop_reason, str) else "eos"
 
 
+def execution_mode(compilation: Any, enforce_eager: bool) -> str:
+    """vLLM's execution mode in words, from the compilation config it resolved (e.g. on CPU by default: traced once
+    by dynamo and compiled by inductor)."""
+    if enforce_eager:
+        return "eager (--enforce-eager)"
+    mode = getattr(getattr(compilation, "mode", None), "name", str(getattr(compilation, "mode", "?")))
+    backend = getattr(compilation, "backend", "") or "default backend"
+    return "eager (vLLM's default here)" if mode == "NONE" else f"vLLM default: {mode.lower()}, {backend}"
+
+
 class VLLMSystem:
     """The dense vLLM baseline behind the System protocol (systems/base.py)."""
 
     def __init__(self, model_dir: str | os.PathLike, dtype: str = "auto", max_model_len: int = 8192,
                  name: str = "vllm", kv_cache_space_gb: float = 4, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enforce_eager: bool = True, seed: int = 0,
+                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False, seed: int = 0,
                  omp_threads_bind: str | None = None, block_size: int | None = None,
                  enable_chunked_prefill: bool = True):
         self.name = name
@@ -142,6 +152,7 @@ class VLLMSystem:
         self._engine = vllm.LLMEngine.from_engine_args(
             args, usage_context=UsageContext.LLM_CLASS, stat_loggers=[lambda cfg, idx: self._kv_usage])
         self._vllm = vllm
+        self.execution = execution_mode(self._engine.vllm_config.compilation_config, enforce_eager)
         self._delta = RequestOutputKind.DELTA
         self._request_counter = 0
 
@@ -188,7 +199,7 @@ class VLLMSystem:
         per_block = self.bytes_per_block()
         peak_blocks = round(self._kv_usage.peak * max(num_blocks - 1, 0))
         return MemoryReport(
-            mode="physical", device_kv_capacity_bytes=num_blocks * per_block,
+            mode="physical", device_kv_capacity_bytes=num_blocks * per_block, execution=self.execution,
             device_kv_peak_bytes=peak_blocks * per_block,
             extra={"num_blocks": num_blocks, "block_size": cache.block_size, "bytes_per_block": per_block,
                    "peak_kv_cache_usage_perc": self._kv_usage.peak,
@@ -302,7 +313,7 @@ def _serve_entry() -> list[str]:
 
 def serve(model_dir: str | os.PathLike, port: int, *, dtype: str = "auto", max_model_len: int = 8192,
           kv_cache_space_gb: float = 4, max_num_seqs: int = 128, served_model_name: str | None = None,
-          enforce_eager: bool = True, omp_threads_bind: str | None = None, extra_args: Sequence[str] = (),
+          enforce_eager: bool = False, omp_threads_bind: str | None = None, extra_args: Sequence[str] = (),
           startup_timeout_s: float = 600,
           log_path: str | os.PathLike | None = None) -> VLLMServer:
     """Start `vllm serve` on 127.0.0.1:`port` (prefix caching off) and wait until /health answers.

@@ -13,6 +13,7 @@ from harness.measuring.offline import build_requests, measure
 from harness.reporting import plots
 from harness.reporting.summary import cell_envs
 from harness.running.cells import cell_config
+from harness.running.envinfo import machine_class
 from harness.running.experiment import Cell, Experiment, Run
 from harness.running.params import GridParams
 from harness.running.store import CellStore
@@ -76,9 +77,10 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
     summary = run.summary(envs=cell_envs(results))
     summary.glance(f"tokens/s of each system on the same requests, ratios to `{ref}`:", ratio_lines(results, ref))
     summary.table(["system", "in", "out", "requests", "total tok/s", "output tok/s", "req/s", "wall s",
-                   "device KV peak MiB", "mode", "cores busy", "busy threads", "CPUs", "tok per CPU-s"],
+                   "device KV peak MiB", "mode", "execution", "cores busy", "busy threads", "CPUs", "tok per CPU-s"],
                   [[r["system"], r["input_len"], r["output_len"], r["num_requests"], r["total_tok_s"],
                     r["output_tok_s"], r["req_s"], r["wall_s"], (r["device_kv_peak_bytes"] or 0) / 2**20, r["mode"],
+                    r.get("execution") or "—",
                     r.get("cores_busy"), r.get("busy_threads"), r.get("cpus_allowed"),
                     (r["prompt_tokens"] + r["output_tokens"]) / r["cpu_s"] if r.get("cpu_s") else None]
                    for r in results], 2)
@@ -91,9 +93,21 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
                  "capacity (`engine.device_memory_gb`).")
     summary.csv([{k: r.get(k) for k in ("system", "input_len", "output_len", "num_requests", "total_tok_s",
                                         "output_tok_s", "req_s", "wall_s", "device_kv_peak_bytes",
-                                        "device_kv_peak_bytes_per_request", "mode", "cores_busy", "cpu_s",
+                                        "device_kv_peak_bytes_per_request", "mode", "execution", "cores_busy", "cpu_s",
                                         "busy_threads", "cpus_allowed")} for r in results])
-    if len({r["output_len"] for r in results}) > 1:
+    systems = list(dict.fromkeys(r["system"] for r in results))
+    out_lens = sorted({r["output_len"] for r in results})
+    at = {(r["system"], r["output_len"]): r for r in results}
+    summary.image("png_throughput", plots.bar_plot(
+        out_dir / "throughput.png", systems,
+        {f"output {o}": [at[(s, o)]["total_tok_s"] if (s, o) in at else float("nan") for s in systems]
+         for o in out_lens},
+        xlabel="system (cores busy per bar)", ylabel="total tokens/s (prompt + output)", colour_by="group",
+        title=f"Offline throughput: {p.num_requests} requests × ({p.input_len} in + out) each, same cores and KV "
+              f"capacity; {machine_class(cell_envs(results)[0] if results else None)}",
+        notes={f"output {o}": [f"{at[(s, o)].get('cores_busy') or 0:.2f} cores" if (s, o) in at else ""
+                               for s in systems] for o in out_lens}), "throughput per system")
+    if len(out_lens) > 1:
         summary.image("png", plots.line_plot(
             out_dir / "throughput_vs_output_len.png",
             {s: [(r["output_len"], r["output_tok_s"]) for r in results if r["system"] == s]

@@ -44,6 +44,7 @@ def measure(system: System, requests: list[GenerationRequest], exclude: frozense
             "device_kv_peak_bytes": mem.device_kv_peak_bytes,
             "device_kv_peak_bytes_per_request": (mem.device_kv_peak_bytes or 0) / max(1, len(completions)),
             "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else None, "memory": mem.as_dict(), "mode": mem.mode,
+            "execution": mem.execution,
             **cpu_columns(meter.usage)}
 
 

@@ -32,6 +32,8 @@ class SystemConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     omp_threads_bind: Optional[str] = None   # vllm's worker cores (VLLM_CPU_OMP_THREADS_BIND); null = every core
                                              # this run may use, the set the engine's threads run on
+    vllm_execution: str = "default"      # vllm only: default = as vLLM runs by default (on CPU: traced once and
+                                         # compiled by torch.compile's inductor) | eager (--enforce-eager)
 
 
 @dataclass

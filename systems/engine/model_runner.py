@@ -103,14 +103,21 @@ class ModelRunner:
         ids = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
         positions = torch.tensor([len(s.token_ids) - 1 for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        infos = [s.info() for s in seqs]
+        return self.decode_tokens(ids, positions, slots, [s.info() for s in seqs])
+
+    @torch.inference_mode()
+    def decode_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
+                      clock: Callable[[str], None] | None = None) -> torch.Tensor:
+        """`decode` on explicit tensors (token ids, positions and slots [B]): what benchmarks on synthetic caches
+        call. `clock(phase)` after each phase of each layer (append, select, attention, then "rest" on the fused
+        path or "after_append" on the per-op path); logits [B, V]."""
         if self.fused is not None:
-            logits = self.fused.logits(ids, positions, slots, infos)
+            logits = self.fused.logits(ids, positions, slots, infos, clock)
             self.last_selected = self.fused.last_selected
             return logits
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self.decode_layer(layer, q, k, v, slots, infos)
+            return self.decode_layer(layer, q, k, v, slots, infos, clock)
 
         hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile, decode=True)
         return self._model().logits(hidden, tile=self.decode_tile)

@@ -33,6 +33,9 @@ class EngineSystem:
         self.engine.is_eos = lambda t: t in eos
         self.engine.decode_text = self._decode
         self.mode = policy.mode
+        runner = self.engine.runner
+        self.execution = ("decode steps as fused C++ layers" if runner.fused is not None
+                          else f"decode steps op by op ({runner.fused_unsupported})")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -56,7 +59,7 @@ class EngineSystem:
     def memory_report(self) -> MemoryReport:
         kv = self.engine.kv
         return MemoryReport(
-            mode=self.mode,
+            mode=self.mode, execution=self.execution,
             device_kv_capacity_bytes=kv.device_blocks.capacity * kv.bytes_per_block,
             device_kv_peak_bytes=kv.device_blocks.peak_bytes,
             host_kv_peak_bytes=kv.host_blocks.peak_bytes,

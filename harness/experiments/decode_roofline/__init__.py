@@ -1,0 +1,127 @@
+"""Decode step time against the memory roofline, for dense and every policy (FlexiCache F7; LServe's decode claims).
+
+A decode step of a small model reads every weight once and each sequence's KV as its policy chooses; on a CPU it
+should therefore take about (bytes read) ÷ (the machine's streaming bandwidth). For each system, context and batch
+size, the model's real decode steps run over synthetic caches (bench.py says how) and the summary states, per
+point: the step time, the bytes it read (weights + KV the policy read + its selection metadata), the achieved GB/s
+against the streaming bandwidth measured at the start of the same run, the bandwidth floor and the step's distance
+to it, and the step split into selection, attention and the rest. Every point lives in one cell, so every ratio
+comes from one run; a policy that needs a profile of the model runs with the split its class declares for a
+profile-free run (only how many heads play each role matters for speed).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from harness.experiments.decode_roofline.bench import measure
+from harness.experiments.decode_roofline.params import Params
+from harness.experiments.decode_roofline.report import write_summary
+from harness.integrations.assets import model_dir as resolve_model_dir
+from harness.measuring.bandwidth import GIB, stream_read_gbs
+from harness.reporting.summary import cell_envs
+from harness.running.cells import cell_config
+from harness.running.config import UserError, plain
+from harness.running.experiment import Cell, Experiment, Run
+from harness.running.grid import apply_budget, system_config
+from harness.running.store import CellStore
+from systems.engine.engine import Engine
+from systems.engine.models.spec import ModelSpec
+from systems.policies import load_policy, policy_class
+from systems.registry import SystemConfigError, backend_of, check_system
+
+log = logging.getLogger("kvharness")
+KEY = "points"
+
+
+def roofline_systems(run: Run[Params], spec: ModelSpec) -> list[DictConfig]:
+    """The systems to time, with the shared budget and the parameters each policy names for a profile-free run."""
+    p = run.params
+    loaded = [system_config(name) for name in p.systems] or [c.system for c in run.grid]
+    out = []
+    for s in {s.name: copy.deepcopy(s) for s in loaded}.values():
+        s.merge_with(p.system_overrides or {})
+        if p.budget is not None:
+            apply_budget(s, p.budget)
+        cls = policy_class(s.policy)
+        if cls is not None:
+            s.params = {**plain(s.params), **cls.profile_free_params(spec.num_layers, spec.num_kv_heads)}
+        check_system(s)
+        out.append(s)
+    bad = [s.name for s in out if not backend_of(s).runs_policies]
+    if bad:
+        raise UserError(f"decode_roofline runs the engine's decode step; remove {bad} (systems whose backend runs no "
+                        "KV policy) from the systems")
+    return out
+
+
+def build_engine(run: Run[Params], system: DictConfig, model_dir: Path, spec: ModelSpec) -> Engine:
+    """The system's engine with room for the largest point: every slot holding the longest context in both tiers."""
+    p = run.params
+    tokens = max(p.contexts) + p.warmup + p.steps + p.split_steps + 1
+    page = int(system.engine.page_size)
+    elem = torch.empty((), dtype=torch.float32 if run.cfg.model.dtype == "float32" else torch.bfloat16).element_size()
+    blocks = max(p.batch_sizes) * spec.num_layers * spec.num_kv_heads * (-(-tokens // page) + 1)
+    gb = blocks * 2 * page * spec.head_dim * elem / GIB * 1.05 + 0.05
+    engine_cfg = {**plain(system.engine), "device_memory_gb": gb, "host_memory_gb": gb,
+                  "max_num_seqs": max(p.batch_sizes)}
+    policy = load_policy(system.policy, plain(system.params))
+    return Engine(str(model_dir), policy, engine_cfg, dtype=run.cfg.model.dtype, max_model_len=tokens)
+
+
+class DecodeRoofline(Experiment[Params]):
+    params_type = Params
+
+    def check(self, run: Run[Params]) -> None:
+        p = run.params
+        if p.steps < 1 or p.split_steps < 1 or p.warmup < 0 or not p.batch_sizes or min(p.batch_sizes) < 1 \
+                or not p.contexts or min(p.contexts) < 16:
+            raise UserError("exp.params needs steps >= 1, split_steps >= 1, warmup >= 0, positive batch_sizes and "
+                            "contexts >= 16")
+        if p.bandwidth_gib <= 0:
+            raise UserError("exp.params.bandwidth_gib must be positive (the streaming-read buffer, in GiB)")
+
+    def cells(self, run: Run[Params]) -> list[Cell]:
+        p = run.params
+        model_dir = Path(resolve_model_dir(run.cfg.model.path))
+        spec = ModelSpec.from_dir(model_dir)
+        try:
+            systems = roofline_systems(run, spec)
+        except SystemConfigError as exc:
+            raise UserError(str(exc)) from None
+        run.extra_systems = systems
+        points = len(systems) * len(p.contexts) * len(p.batch_sizes)
+        return [Cell(key=KEY, config=cell_config(run.cfg, systems=systems), label=f"decode roofline ({points} points)",
+                     units=points, item=(systems, model_dir, spec))]
+
+    def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
+        p, (systems, model_dir, spec) = run.params, cell.item
+        bandwidth = stream_read_gbs(int(p.bandwidth_gib * GIB))
+        log.info("streaming read bandwidth: %.1f GB/s", bandwidth)
+        points = []
+        for system in systems:
+            engine = build_engine(run, system, model_dir, spec)
+            for context in p.contexts:
+                for batch in p.batch_sizes:
+                    r = measure(engine, batch, context, p.steps, p.split_steps, p.warmup, p.query_noise, p.seed)
+                    r.update(system=system.name, policy=system.policy, budget=plain(system.params).get("budget"))
+                    log.info("%s context %d batch %d: %.2f ms/step", system.name, context, batch, r["step_ms"])
+                    points.append(r)
+                    run.advance(1)
+            del engine
+        return {"points": points, "bandwidth_gbs": bandwidth, "bandwidth_after_gbs": stream_read_gbs(
+            int(p.bandwidth_gib * GIB)), "dtype": run.cfg.model.dtype, "model": spec.model_type,
+            "num_layers": spec.num_layers}
+
+    def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
+        stored = run.stored(KEY)
+        if stored is None:
+            raise UserError(f"no measured points under {run.out_dir}: run the experiment first")
+        return write_summary(run, stored, cell_envs([stored]))
+
+
+EXPERIMENT = DecodeRoofline()

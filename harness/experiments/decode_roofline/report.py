@@ -1,0 +1,96 @@
+"""The decode roofline's summary: step time against the bandwidth floor per point, the targets, the GB/s plot."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from harness.experiments.decode_roofline.params import Params
+from harness.reporting import plots
+from harness.running.envinfo import machine_class
+from harness.running.experiment import Run
+
+MB = 1e6
+
+
+def derived(r: dict[str, Any], bandwidth_gbs: float) -> dict[str, Any]:
+    """A point's bytes, floor, achieved GB/s and split, from what was measured."""
+    total = r["weight_bytes"] + r["kv_bytes"] + r["metadata_bytes"]
+    floor_ms = total / (bandwidth_gbs * 1e9) * 1e3
+    rest = r["step_ms"] - r["select_ms"] - r["attention_ms"]
+    return {**r, "bytes_read": total, "floor_ms": floor_ms, "step_over_floor": r["step_ms"] / floor_ms,
+            "achieved_gbs": total / (r["step_ms"] * 1e-3) / 1e9, "share_of_bandwidth": total / (r["step_ms"] * 1e-3)
+            / (bandwidth_gbs * 1e9), "rest_ms": max(rest, 0.0)}
+
+
+def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str, str]:
+    p, out_dir = run.params, run.out_dir
+    bandwidth = stored["bandwidth_gbs"]
+    rows = [derived(r, bandwidth) for r in stored["points"]]
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    at = {(r["system"], r["context"], r["batch"]): r for r in rows}
+    contexts, batches = sorted({r["context"] for r in rows}), sorted({r["batch"] for r in rows})
+    ref = p.reference if p.reference is not None and p.reference in systems else systems[0]
+    machine = machine_class(envs[0]) if envs else "unknown machine"
+    summary = run.summary(envs=envs)
+    summary.glance(" ".join(_targets(at, systems, ref, contexts, batches, p.floor_target)), bullets=[
+        f"streaming read bandwidth measured in this run: {bandwidth:.1f} GB/s at its start, "
+        f"{stored['bandwidth_after_gbs']:.1f} GB/s at its end (best of 7 reads of {p.bandwidth_gib:g} GiB)"])
+    summary.table(
+        ["system", "context", "batch", "step ms", "floor ms", "step ÷ floor", "achieved GB/s", "% of bandwidth",
+         "weights MB", "KV read MB", "metadata MB", "select ms", "attention ms", "rest ms", "H2D KiB", "device KV MB",
+         "cores busy"],
+        [[r["system"], r["context"], r["batch"], r["step_ms"], r["floor_ms"], r["step_over_floor"], r["achieved_gbs"],
+          100 * r["share_of_bandwidth"], r["weight_bytes"] / MB, r["kv_bytes"] / MB, r["metadata_bytes"] / MB,
+          r["select_ms"], r["attention_ms"], r["rest_ms"], r["h2d_bytes"] / 1024, r["device_kv_bytes"] / MB,
+          r.get("cores_busy")] for r in rows], 2)
+    summary.text(
+        f"Each point: {p.steps} whole decode steps timed (the median is shown) after {p.warmup} warm-up steps, over "
+        f"synthetic caches of `context` tokens in each of the model's {stored['num_layers']} layers, prepared by the "
+        "policy as after a prefill; the model and its weights are real. Bytes read per step are counted: every "
+        "weight matrix once (plus the embedding rows looked up), the K and V each head attended to (all its tokens, "
+        "or the whole pages its policy selected; per KV head the union of its query heads' sets), and the MinMax "
+        "bounds the page scorers read. floor = bytes ÷ the measured bandwidth; achieved GB/s = bytes ÷ step time. "
+        f"The split comes from {p.split_steps} further steps timed layer by layer (selection and attention as "
+        "measured there; rest = the whole step's median minus both: norms, projections, MLP, RoPE, the KV append "
+        "and the LM head). H2D = host → device bytes copied per step (FlexiCache's promotions). Cores busy = CPU "
+        f"seconds ÷ wall time over the timed steps, from /proc. {stored['dtype']} on {machine}.")
+    summary.csv([{**r, "reference": ref, "bandwidth_gbs": bandwidth} for r in rows])
+    budgets = sorted({str(r["budget"]) for r in rows if r.get("budget") is not None})
+    panels = [{"series": {s: [(b, at[(s, c, b)]["achieved_gbs"]) for b in batches if (s, c, b) in at]
+                          for s in systems},
+               "ylabel": "GB/s read per decode step", "title": f"{c} tokens per sequence", "logx": True,
+               "hline": bandwidth} for c in contexts]
+    summary.image("png_roofline", plots.line_panels(
+        out_dir / "achieved_vs_attainable.png", panels, "batch size (sequences)",
+        f"Decode step: achieved GB/s vs the attainable {bandwidth:.0f} GB/s (grey line, measured); n = {p.steps} "
+        f"steps per point, budget {', '.join(budgets) or 'none'}; {machine}"), "achieved vs attainable bandwidth")
+    return summary.write(out_dir)
+
+
+def _targets(at: dict, systems: list[str], ref: str, contexts: list[int], batches: list[int],
+             floor_target: float) -> list[str]:
+    """The issue's two targets as measured: the reference at batch 1 within `floor_target` of its floor, and every
+    other system's step below the reference's at the longest context."""
+    out = []
+    first = batches[0]
+    for c in contexts:
+        r = at.get((ref, c, first))
+        if r:
+            verdict = "within" if r["step_over_floor"] <= floor_target else "NOT within"
+            out.append(f"{ref} at batch {first}, {c} tokens: {r['step_ms']:.1f} ms per step = "
+                       f"{r['step_over_floor']:.2f}× its bandwidth floor of {r['floor_ms']:.1f} ms ({verdict} "
+                       f"{floor_target:g}×).")
+    long = contexts[-1]
+    slower = [f"{s} at batch {b} ({at[(s, long, b)]['step_ms']:.1f} vs {at[(ref, long, b)]['step_ms']:.1f} ms)"
+              for s in systems if s != ref for b in batches
+              if (s, long, b) in at and (ref, long, b) in at and at[(s, long, b)]["step_ms"] >= at[(ref, long, b)][
+                  "step_ms"]]
+    others = [s for s in systems if s != ref]
+    if others:
+        out.append(f"At {long} tokens every other system's step is below {ref}'s at every batch size." if not slower
+                   else f"At {long} tokens, steps not below {ref}'s: " + "; ".join(slower) + ".")
+    best = max((r for r in at.values()), key=lambda r: r["achieved_gbs"], default=None)
+    if best is not None and not math.isnan(best["achieved_gbs"]):
+        out.append(f"Highest achieved: {best['achieved_gbs']:.1f} GB/s ({best['system']}, batch {best['batch']}, "
+                   f"{best['context']} tokens).")
+    return out
