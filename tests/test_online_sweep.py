@@ -120,3 +120,35 @@ def test_focus_line_states_the_tpot_ratio_at_the_highest_sustained_rate_or_says_
     failed = focus_line([{**r, "completed": 15} if r["system"] == "dense" else r for r in rows], "flexi",
                         ["dense", "vllm"])
     assert "`dense` sustains none" in failed
+
+
+@pytest.mark.slow
+def test_vllm_bench_client_measures_the_engine_server_beside_the_harness_client(tiny_llama_dir, tmp_path):
+    """`vllm bench serve` runs against the engine's server at the same rate as the harness's client; both land in
+    the summary with a client column and the agreement table."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed")
+    cmd = [sys.executable, "-m", "harness", "+exp=online_sweep", "exp.systems=[dense]",
+           f"model.path={tiny_llama_dir}", "model.max_model_len=2048", "model.max_input_tokens=1000",
+           "exp.params.rates=[4]", "exp.params.num_prompts=4", "exp.params.input_len=64", "exp.params.output_len=8",
+           "exp.params.clients=[harness,vllm_bench]", f"results_dir={tmp_path}", "progress=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = list(csv.DictReader(open(tmp_path / "online_sweep" / "summary.csv")))
+    assert sorted(r["client"] for r in table) == ["harness client", "vllm bench serve"]
+    assert all(int(r["completed"]) == 4 and float(r["mean_tpot_ms"]) > 0 for r in table)
+    assert "Do the two clients agree?" in (tmp_path / "online_sweep" / "summary.md").read_text()
+
+
+def test_client_agreement_compares_mean_tpots_with_an_interval():
+    from harness.experiments.online_sweep.report import client_agreement
+
+    rows = [{"system": "s", "request_rate": 1.0, "client": "harness client", "request_tpots_ms": [10.0, 11, 12, 13]},
+            {"system": "s", "request_rate": 1.0, "client": "vllm bench serve", "request_tpots_ms": [30.0, 31, 32, 33]},
+            {"system": "t", "request_rate": 1.0, "client": "harness client", "request_tpots_ms": [10.0, 20, 30]}]
+    (row,) = client_agreement(rows)
+    assert row[:2] == ["s", 1.0] and row[-1] == "no" and row[4].startswith("-20.0 [")

@@ -121,6 +121,17 @@ def difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
     return Estimate(float(np.mean(x - y)), low, high, int(x.size))
 
 
+def unpaired_difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
+    """mean(a) − mean(b) over two independent samples (e.g. two load clients' requests), each resampled on its
+    own; n is the smaller sample."""
+    x, y = _array(a), _array(b)
+    if x.size == 0 or y.size == 0:
+        return NAN
+    low, high = (_scipy_interval((x, y), lambda p, q, axis: np.mean(p, axis=axis) - np.mean(q, axis=axis),
+                                 paired=False) if min(x.size, y.size) >= 2 else (math.nan, math.nan))
+    return Estimate(float(x.mean() - y.mean()), low, high, int(min(x.size, y.size)))
+
+
 def stratified(units: Sequence[tuple[Sequence[float] | np.ndarray, ...]],
                statistic: Callable[[list[tuple[np.ndarray, ...]]], np.ndarray]) -> tuple[float, float, float]:
     """Point and percentile interval of `statistic` over several units of paired samples.

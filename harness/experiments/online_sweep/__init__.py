@@ -10,10 +10,12 @@ requests use their own windows and are excluded from every duration.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from omegaconf import DictConfig
 
 from harness.experiments.online_sweep.params import Params
-from harness.experiments.online_sweep.rates import essay_windows, key_of, rate_path, sweep
+from harness.experiments.online_sweep.rates import CLIENTS, essay_windows, key_of, rate_path, sweep
 from harness.experiments.online_sweep.report import focus_line as focus_line  # re-export: tests read it here
 from harness.experiments.online_sweep.report import write_summary
 from harness.measuring.loadgen import PROCESSES, arrival_times
@@ -45,6 +47,12 @@ def check(cfg: DictConfig, cells: list[GridCell], p: Params) -> None:
     if p.input_len + p.output_len > cfg.model.max_model_len:
         raise UserError(f"online_sweep: input_len + output_len = {p.input_len + p.output_len} exceeds "
                         f"model.max_model_len={cfg.model.max_model_len}; lower exp.params.input_len")
+    unknown = sorted(set(p.clients) - set(CLIENTS))
+    if not p.clients or unknown:
+        raise UserError(f"online_sweep: exp.params.clients must list some of {list(CLIENTS)}, got {p.clients}")
+    if "vllm_bench" in p.clients and importlib.util.find_spec("vllm") is None:
+        raise UserError("online_sweep: the vllm_bench client runs `vllm bench serve`, and vLLM is not installed; "
+                        "run `make setup-vllm` or drop vllm_bench from exp.params.clients")
     if p.endpoint != "completions":
         raise UserError("online_sweep: prompts are exact token-id windows, so exp.params.endpoint must be completions")
     for cell in cells:
@@ -69,11 +77,12 @@ class OnlineSweep(Experiment[Params]):
 
     def is_complete(self, run: Run[Params], cell: Cell, store: CellStore) -> bool:
         """Complete when its metrics list exactly these rates and every rate's measurements are on disk."""
-        return (store.is_complete(cell.config_yaml()) and store.metrics().get("rates") == run.params.rates
-                and all(rate_path(store, r).is_file() for r in run.params.rates))
+        p = run.params
+        return (store.is_complete(cell.config_yaml()) and store.metrics().get("rates") == p.rates
+                and all(rate_path(store, r, c).is_file() for r in p.rates for c in p.clients))
 
     def plan_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> int:
-        return sum(rate_path(store, r).is_file() for r in run.params.rates)
+        return sum(all(rate_path(store, r, c).is_file() for c in run.params.clients) for r in run.params.rates)
 
     def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
         p, ws = run.params, run.workspace

@@ -22,6 +22,9 @@ class Params(GridParams):
     goodput: dict[str, float] = field(default_factory=dict)   # SLOs in ms, e.g. {ttft: 2000, tpot: 200}
     percentiles: list[float] = field(default_factory=lambda: [99.0])
     max_queue: int = 1024                 # engine server: waiting requests beyond its running slots before 503
+    # load clients per rate: harness (measuring/loadgen.py, essay prompts sent as token ids) and/or vllm_bench
+    # (`vllm bench serve`, its random dataset: the same random-token prompts for every server at a given seed)
+    clients: list[str] = field(default_factory=lambda: ["harness"])
     startup_timeout_s: float = 600
     # the at-a-glance comparison: `focus`'s TPOT against each of `versus` at the highest rate versus[0] sustains
     focus: Optional[str] = None

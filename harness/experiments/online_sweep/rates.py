@@ -13,6 +13,7 @@ from harness.measuring.cpu_usage import CpuMeter
 from harness.measuring.loadgen import Prompt, arrival_times, run_load
 from harness.measuring.servers import Server, start_server, wait_idle
 from harness.measuring.serving_stats import summarize as serving_stats
+from harness.measuring.vllm_bench import bench_serve
 from harness.running.experiment import Run
 from harness.running.grid import GridCell
 from harness.running.store import CellStore, atomic_write_json
@@ -57,39 +58,69 @@ def key_of(cell: GridCell, p: Params) -> str:
             + f"__{tag}_in{p.input_len}_out{p.output_len}_n{p.num_prompts}")
 
 
-def rate_path(store: CellStore, rate: float) -> Path:
-    return store.root / f"rate_{rate:g}.json"
+CLIENTS = {"harness": "harness client", "vllm_bench": "vllm bench serve"}
+
+
+def rate_path(store: CellStore, rate: float, client: str = "harness") -> Path:
+    return store.root / (f"rate_{rate:g}.json" if client == "harness" else f"rate_{rate:g}_{client}.json")
+
+
+def request_tpots_ms(detail: dict) -> list[float]:
+    """Per completed request of the harness client, (E2EL − TTFT) / (output tokens − 1) in ms."""
+    return [1e3 * (lat - ttft) / (n - 1) for lat, ttft, n, err in zip(
+        detail["latencies"], detail["ttfts"], detail["output_lens"], detail["errors"]) if not err and n and n > 1]
+
+
+def run_vllm_bench(server: Server, run: Run[Params], rate: float, store: CellStore) -> dict[str, Any]:
+    """One rate measured by `vllm bench serve` against `server`; the stored record in the harness client's shape."""
+    p = run.params
+    record = bench_serve(server.url, server.model, run.workspace.model_dir.resolve(), rate=rate,
+                         num_prompts=p.num_prompts, input_len=p.input_len, output_len=p.output_len,
+                         burstiness=p.burstiness, seed=run.cfg.seed, work_dir=store.root / "vllm_bench",
+                         percentiles=p.percentiles, timeout_s=p.max_seconds + 600)
+    detail = {k: record.pop(k) for k in ("ttfts", "itls", "output_lens", "errors", "tpots_ms", "input_lens",
+                                          "start_times", "generated_texts") if k in record}
+    return {"summary": record, "detail": detail}
 
 
 def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: CellStore) -> dict:
     """One system's rows: the rates not on disk yet measured behind one server started for them all."""
     p, cfg, n = run.params, run.cfg, run.params.num_prompts
-    todo = [r for r in p.rates if not rate_path(store, r).is_file()]
+    todo = [(r, c) for r in p.rates for c in p.clients if not rate_path(store, r, c).is_file()]
     server, rows = None, []
     try:
         if todo:
-            log.info("%s: starting its server for rates %s", cell.system.name, todo)
+            log.info("%s: starting its server for rates %s", cell.system.name, sorted({r for r, _ in todo}))
             server = start_server(cell.system, run.workspace.model_dir.resolve(), cfg.model, store.root,
                                   p.startup_timeout_s, p.max_queue)
             for w in windows[n:]:
                 asyncio.run(run_load(server.url, server.model, [Prompt(w, len(w))], [0.0], max_tokens=4,
                                      max_seconds=float(p.max_seconds)))
         for rate in p.rates:
-            path = rate_path(store, rate)
-            if rate in todo:
-                assert server is not None
-                wait_idle(server)
-                with CpuMeter(server.process.pid) as meter:      # the server's whole process tree
-                    result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
-                result["cpu"] = meter.usage.as_dict() if meter.usage else None
-                atomic_write_json(path, result)
-                s = result["summary"]
-                log.info("rate %g, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate, cell.system.name,
-                         s["completed"], n, s["mean_ttft_ms"], s["mean_tpot_ms"])
-                run.advance(1)
-            rows.append({"system": cell.system.name, "request_rate": rate, "burstiness": p.burstiness,
-                         "num_prompts": n, "input_len": p.input_len, "output_len": p.output_len,
-                         **_with_cpu(json.loads(path.read_text()))})
+            for client in p.clients:
+                path = rate_path(store, rate, client)
+                if (rate, client) in todo:
+                    assert server is not None
+                    wait_idle(server)
+                    with CpuMeter(server.process.pid) as meter:      # the server's whole process tree
+                        if client == "harness":
+                            result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
+                        else:
+                            result = run_vllm_bench(server, run, rate, store)
+                    result["cpu"] = meter.usage.as_dict() if meter.usage else None
+                    atomic_write_json(path, result)
+                    s = result["summary"]
+                    log.info("rate %g, %s, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate,
+                             cell.system.name, CLIENTS[client], s["completed"], n, s["mean_ttft_ms"],
+                             s["mean_tpot_ms"])
+                    if client == p.clients[-1]:
+                        run.advance(1)
+                stored = json.loads(path.read_text())
+                detail = stored.get("detail") or {}
+                tpots = detail.get("tpots_ms") if client != "harness" else request_tpots_ms(detail) if detail else []
+                rows.append({"system": cell.system.name, "client": CLIENTS[client], "request_rate": rate,
+                             "burstiness": p.burstiness, "num_prompts": n, "input_len": p.input_len,
+                             "output_len": p.output_len, "request_tpots_ms": tpots, **_with_cpu(stored)})
     finally:
         if server is not None:
             server.close()

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 from harness.experiments.online_sweep.params import Params
-from harness.reporting import plots
+from harness.reporting import plots, uncertainty
 from harness.reporting.tables import fmt
 from harness.running.experiment import Run
 
 STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")]
-CSV_KEYS = ["system", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed", "failed",
-            "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
+CSV_KEYS = ["system", "client", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed",
+            "failed", "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
             "total_token_throughput", "total_input_tokens", "total_output_tokens", *STAT_KEYS,
             "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed"]
 
@@ -51,32 +51,78 @@ def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
             + " (below 1×: higher).")
 
 
+def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
+    """Per client and rate: `focus`'s mean TPOT and ITL against each of `versus`, with the cores each kept busy."""
+    out = []
+    for client in dict.fromkeys(r.get("client", "harness client") for r in rows):
+        at = {(r["system"], r["request_rate"]): r for r in rows if r.get("client", "harness client") == client}
+        for rate in sorted({r for _, r in at}):
+            f = at.get((focus, rate))
+            if not f or not f.get("mean_tpot_ms"):
+                continue
+            parts = [f"`{v}` {fmt(at[(v, rate)]['mean_tpot_ms'])} / {fmt(at[(v, rate)]['mean_itl_ms'])} ms on "
+                     f"{fmt(at[(v, rate)].get('cores_busy'), 2)} cores (TPOT ratio "
+                     f"{f['mean_tpot_ms'] / at[(v, rate)]['mean_tpot_ms']:.2f}×)" for v in versus if (v, rate) in at]
+            if parts:
+                out.append(f"{client}, {rate:g} req/s: mean TPOT / ITL `{focus}` {fmt(f['mean_tpot_ms'])} / "
+                           f"{fmt(f['mean_itl_ms'])} ms on {fmt(f.get('cores_busy'), 2)} cores; " + "; ".join(parts))
+    return out
+
+
+def client_agreement(rows: list[dict]) -> list[list]:
+    """Per system and rate measured by both clients: each client's mean TPOT with its 95 % interval (over its
+    requests) and the difference's (two independent samples)."""
+    by = {(r["system"], r["request_rate"], r.get("client")): r for r in rows}
+    out = []
+    for (system, rate, client), r in by.items():
+        other = by.get((system, rate, "vllm bench serve"))
+        if client != "harness client" or other is None:
+            continue
+        a, b = r.get("request_tpots_ms") or [], other.get("request_tpots_ms") or []
+        diff = uncertainty.unpaired_difference(a, b)
+        out.append([system, rate, uncertainty.mean(a).fmt(1), uncertainty.mean(b).fmt(1), diff.fmt(1),
+                    "no" if diff.excludes(0) else "yes"])
+    return out
+
+
 def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[str, str]:
     p, out_dir = run.params, run.out_dir
     summary = run.summary(envs=envs)
+    main = [r for r in rows if r.get("client", "harness client") == "harness client"] or rows
     if rows:
-        top = max(r["request_rate"] for r in rows)
+        top = max(r["request_rate"] for r in main)
+        bullets = [line] if p.focus and p.versus and (line := focus_line(main, p.focus, p.versus)) else []
+        if p.focus and p.versus:
+            bullets += versus_lines(rows, p.focus, p.versus)
         summary.glance(f"at {top:g} req/s (the highest rate) mean " + "; ".join(
             f"`{r['system']}` TPOT {fmt(r['mean_tpot_ms'])} ms, TTFT {fmt(r['mean_ttft_ms'])} ms (p99 "
             f"{fmt(r['p99_ttft_ms'])}), {r['completed']}/{r['num_prompts']} completed"
-            for r in rows if r["request_rate"] == top) + ".",
-            [line] if p.focus and p.versus and (line := focus_line(rows, p.focus, p.versus)) else ())
+            for r in main if r["request_rate"] == top) + ".", bullets)
     arrivals = p.process + (f" (burstiness {p.burstiness:g})" if p.process == "gamma" else "")
     summary.text(f"{p.num_prompts} requests per rate × ({p.input_len} prompt tokens + {p.output_len} output tokens, "
                  f"EOS ignored, greedy), {arrivals} arrivals rescaled so the last lands at N/rate, each rate capped "
-                 f"at {p.max_seconds:g} s. Latencies in ms.")
-    keys = ["system", "request_rate", "completed", "failed", "request_throughput", "output_throughput",
+                 f"at {p.max_seconds:g} s. Latencies in ms. Clients: " + ", ".join(
+                     dict.fromkeys(r.get("client", "harness client") for r in rows)) + ".")
+    keys = ["system", "client", "request_rate", "completed", "failed", "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
             "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "max_concurrent_requests", "cores_busy", "busy_threads",
             "cpus_allowed"]
-    summary.table(["system", "rate req/s", "done", "failed", "req/s", "out tok/s", "mean TTFT", "median TTFT",
-                   "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT", "mean ITL", "p99 ITL", "mean E2EL",
-                   "peak concurrency", "cores busy", "busy threads", "CPUs"], [[r.get(k) for k in keys] for r in rows],
-                  1)
+    summary.table(["system", "client", "rate req/s", "done", "failed", "req/s", "out tok/s", "mean TTFT",
+                   "median TTFT", "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT", "mean ITL", "p99 ITL",
+                   "mean E2EL", "peak concurrency", "cores busy", "busy threads", "CPUs"],
+                  [[r.get(k, "harness client" if k == "client" else None) for k in keys] for r in rows], 1)
+    agreement = client_agreement(rows)
+    if agreement:
+        summary.text("Do the two clients agree? Mean TPOT per request (ms) with its 95 % bootstrap interval over each "
+                     "client's requests; the difference's interval resamples both independently (their prompts "
+                     "differ: essay windows vs vLLM's random tokens, same lengths).")
+        summary.table(["system", "rate req/s", "harness client", "vllm bench serve", "harness − vllm bench",
+                       "agree (interval holds 0)"], agreement, 1)
     summary.text("Cores busy = the server process tree's CPU seconds ÷ the rate's wall time; busy threads ran for at "
                  "least 10 % of it; CPUs = the cores its processes may use (all from /proc). Both servers get the "
                  "same cores, device KV capacity (`engine.device_memory_gb`; vLLM's kv_cache_memory_bytes), "
-                 "max_num_seqs and max_num_batched_tokens.")
+                 "max_num_seqs and max_num_batched_tokens; vLLM runs in its default execution mode unless "
+                 "`system.vllm_execution=eager`.")
     summary.text("Definitions (`vllm bench serve`): TTFT = first token chunk − request start; TPOT = (E2EL − TTFT) / "
                  "(output tokens − 1) per request; ITL = gaps between consecutive token chunks pooled over requests; "
                  "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "
@@ -85,16 +131,21 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
         summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in summary.csv.")
     summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows])
     if rows:
-        by = {s: sorted((r for r in rows if r["system"] == s), key=lambda r: r["request_rate"])
-              for s in dict.fromkeys(r["system"] for r in rows)}
+        clients = list(dict.fromkeys(r.get("client", "harness client") for r in rows))
+
+        def label(r: dict) -> str:
+            return r["system"] if len(clients) == 1 else f"{r['system']} ({r.get('client', 'harness client')})"
+        by = {s: sorted((r for r in rows if label(r) == s), key=lambda r: r["request_rate"])
+              for s in dict.fromkeys(label(r) for r in rows)}
+        n = f"n = {p.num_prompts} requests per rate, {p.input_len} + {p.output_len} tokens"
         summary.image("tpot_png", plots.line_plot(
             out_dir / "tpot_vs_rate.png",
             {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
-            "request rate (requests/s)", "mean TPOT (ms)", "Mean TPOT vs request rate"), "TPOT vs rate")
+            "request rate (requests/s)", "mean TPOT (ms)", f"Mean TPOT vs request rate ({n})"), "TPOT vs rate")
         summary.image("ttft_png", plots.line_plot(
             out_dir / "ttft_vs_rate.png",
             {s: [(r["request_rate"], r["mean_ttft_ms"]) for r in rs] for s, rs in by.items()},
-            "request rate (requests/s)", "mean TTFT (ms)", "Mean TTFT vs request rate",
+            "request rate (requests/s)", "mean TTFT (ms)", f"Mean TTFT vs request rate ({n})",
             dashed={s: [(r["request_rate"], r["p99_ttft_ms"]) for r in rs] for s, rs in by.items()},
             dashed_label="p99 (dashed)"), "TTFT vs rate")
     return summary.write(out_dir)
