@@ -85,7 +85,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
         summary.section("Policy statistics").table(
             ["system", *[POLICY_STATS[k] for k in shown]],
             [[s, *[stats.get(s, {}).get(k) for k in shown]] for s in data.systems if s in stats], 3)
-        summary.csv([{"system": s, "task": "POLICY_STATS", **v} for s, v in stats.items()])
+        summary.csv([{"system": s, **v} for s, v in stats.items()], "policy_stats")
     summary.text("Macro retention = mean over task units of each unit's retention (FlexiCache's average); ratio of "
                  "means = mean score ÷ mean reference score (CAKE's). Same samples, prompts and greedy decoding for "
                  "every system; engine systems decode batch-invariantly.")

@@ -43,11 +43,9 @@ class BudgetSweep(AccuracyExperiment[Params]):
     def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
         if not run.params.budgets:
             raise UserError("budget_sweep needs exp.params.budgets, a list of token budgets (e.g. [128,512,1024])")
-        cells, labels = super().grid(run)
-        if run.params.reference not in labels:
-            raise UserError(f"reference {run.params.reference!r} is not in the grid: "
-                            "add it to exp.systems or set exp.params.reference")
-        return cells, labels
+        if run.params.reference is None:
+            raise UserError("budget_sweep needs exp.params.reference, the system every curve is compared with")
+        return super().grid(run)
 
     def label_of(self, stored: StoredCell) -> str:
         return budget_label(stored.system, [1])
@@ -129,11 +127,11 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "
                  "KL(reference ‖ policy) [CI].")
     csv = csv_estimate
-    summary.csv([{"system": pol, "budget": b, "task": "MEAN", **csv(score[label], "score"),
+    summary.csv([{"system": pol, "budget": b, **csv(score[label], "score"),
                   **csv(data.macro_retention(label, reference, units), "retention"),
                   **csv(top1[label], "fid_top1"), **csv(kl[label], "fid_kl")}
                  for pol in policies for b, label in at[pol].items()]
-                + [{"system": reference, "budget": None, "task": "MEAN", **csv(ref, "score")}])
+                + [{"system": reference, "budget": None, **csv(ref, "score")}], "budget_curve")
     # policies are compared at equal budget: a pair across budgets says nothing about either policy
     standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=at_one_budget)
     summary.took(cells_seconds(metrics),

@@ -155,7 +155,8 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
             [[r["system"], r["length"], r["device_kv_peak_bytes"] / MIB,
               (r.get("analytic_prefill_peak_bytes") or r["analytic_device_kv_bytes"]) / MIB,
               1000 * (r["tpot_s"] or math.nan)] for r in peaks], 2)
-    summary.csv([{**{k: v for k, v in r.items() if k != "_env"}, "matches_analytic": o} for r, o in zip(results, ok)])
+    summary.csv([{**{k: v for k, v in r.items() if k != "_env"}, "matches_analytic": o} for r, o in zip(results, ok)],
+                "memory")
 
     def series(rs: list[dict], key: str, x: str = "tokens_held") -> dict[str, list[tuple[float, float]]]:
         return {s: [(r[x], (r[key] or math.nan) / MIB) for r in rs if r["system"] == s]

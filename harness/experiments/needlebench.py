@@ -98,8 +98,8 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                  "needle, M-RS exact match of the boxed answer); v2 overall is their mean. v1 overall = 0.4 S-RT + "
                  "0.3 M-RT + 0.3 M-RS under v1's scoring (S-RT Levenshtein partial credit when the keyword is "
                  "missed, M-RS the share of the answer's words). Blank unless all three modes ran.")
-    summary.csv([{"system": s, "task": "OVERALL", **csv_estimate(v2[s], "v2_overall"),
-                  **csv_estimate(v1[s], "v1_overall")} for s in data.systems])
+    summary.csv([{"system": s, **csv_estimate(v2[s], "v2_overall"), **csv_estimate(v1[s], "v1_overall")}
+                 for s in data.systems], "overall")
     standard_sections(summary, data, reference, out_dir)
     for mode in modes:
         panels = []
@@ -115,7 +115,8 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
             summary.table(["length \\ depth %", *[_fmt_depth(d) for d in depths]],
                           [[L, *row] for L, row in zip(lengths, values)], 0)
             summary.csv([{"system": s, "task": units[mode], "mode": LABELS[mode], "length": L, "depth": d,
-                          "score": grid.get((L, d)), "n": counts.get((L, d))} for L in lengths for d in depths])
+                          "score": grid.get((L, d)), "n": counts.get((L, d))} for L in lengths for d in depths],
+                        "length_depth")
         if panels:
             summary.image(f"png_{mode}", plots.heatmap_grid(
                 out_dir / f"heatmap_{mode}.png", panels, xlabel="needle depth (%)",

@@ -94,7 +94,7 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
     summary.csv([{k: r.get(k) for k in ("system", "input_len", "output_len", "num_requests", "total_tok_s",
                                         "output_tok_s", "req_s", "wall_s", "device_kv_peak_bytes",
                                         "device_kv_peak_bytes_per_request", "mode", "execution", "cores_busy", "cpu_s",
-                                        "busy_threads", "cpus_allowed")} for r in results])
+                                        "busy_threads", "cpus_allowed")} for r in results], "throughput")
     systems = list(dict.fromkeys(r["system"] for r in results))
     out_lens = sorted({r["output_len"] for r in results})
     at = {(r["system"], r["output_len"]): r for r in results}

@@ -122,11 +122,11 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], acc: li
                  "cores and KV capacity (vLLM's kv_cache_memory_bytes = the engine's device pool); cores busy = CPU "
                  "seconds ÷ wall time of this process and its children, busy threads ran ≥ 10 % of the time, CPUs "
                  "= the cores they may use, all from /proc.")
-    summary.csv([{"part": "throughput", "system": t["system"], "output_tok_s": t["output_tok_s"],
+    summary.csv([{"system": t["system"], "output_tok_s": t["output_tok_s"],
                   "total_tok_s": t["total_tok_s"], "device_kv_bytes_per_request": t["device_kv_bytes_per_request"],
                   "tok_s_ratio": t["tok_s_ratio"], "kv_ratio": t["kv_ratio"], "mode": t["mode"],
                   "cores_busy": t.get("cores_busy"), "busy_threads": t.get("busy_threads"),
-                  "cpus_allowed": t.get("cpus_allowed")} for t in tput])
+                  "cpus_allowed": t.get("cpus_allowed")} for t in tput], "throughput")
     summary.took(cells_seconds(acc)
                  + sum(t.get("wall_s", 0) for t in tput), "accuracy cells + timed throughput")
     return summary.write(out_dir)

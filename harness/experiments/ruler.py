@@ -101,8 +101,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
         summary.section(f"Retention per length: average ÷ `{reference}`'s on the same samples (95 % CI)").table(
             ["system", *[f"{L} †" if unit[L] in flagged else f"{L}" for L in lengths], "macro over lengths"],
             [[s, *[ratio[s][L].fmt(2, with_n=False) for L in lengths], ratio[s]["all"].fmt(2)] for s in others])
-    summary.csv([{"system": s, "task": "RULER average", "length": "all",
-                  **csv_estimate(avg[s]["all"], "score")} for s in data.systems])
+    summary.csv([{"system": s, **csv_estimate(avg[s]["all"], "score")} for s in data.systems], "ruler_average")
     panels = []
     for s in data.systems:
         values = [[data.score(s, f"{t}@{L}").value if data.n(s, f"{t}@{L}") else math.nan for L in lengths]
@@ -114,7 +113,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
             + [["average", *[avg[s][L].value for L in lengths], avg[s]["all"].value]], 1)
         panels.append((s, values, tasks, [str(L) for L in lengths]))
         summary.csv([{"system": s, "task": t, "length": L, "score": v, "n": data.n(s, f"{t}@{L}")}
-                     for t, row in zip(tasks, values) for L, v in zip(lengths, row)])
+                     for t, row in zip(tasks, values) for L, v in zip(lengths, row)], "ruler_table")
     summary.image("png_heatmap", plots.heatmap_grid(
         out_dir / "ruler_heatmap.png", panels, xlabel="length (tokens)", ylabel="RULER task",
         colorbar="score (0–100)", title=f"RULER score per task × length (n per cell "

@@ -7,6 +7,7 @@ with `collect`.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,6 +79,11 @@ def fidelity_plans(cfg: DictConfig, cells: list[GridCell], labels: list[str], re
     return plans
 
 
+def prompt_hash(token_ids: list[int]) -> str:
+    """sha256 of a rendered prompt's token ids (lm-eval's log_samples hash the prompt text; ours is token ids)."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
 def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> dict:
     """Generate, score and measure the samples not on disk yet, in chunks of the system's batch size; the metrics
     of the whole cell from its rows."""
@@ -113,9 +119,10 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
             # session still states what all of its samples cost
             share = {"generation_s": (t1 - t0) / len(chunk), "fidelity_s": (t2 - t1) / len(chunk)}
             rows = []
-            for (s, _), c, f in zip(chunk, completions, fid):
+            for (s, prompt), c, f in zip(chunk, completions, fid):
                 scores = task.score(s, c.text)
                 rows.append({"id": s.id, "prediction": c.text, **scores, "meta": s.meta,
+                             "prompt_hash": prompt_hash(prompt),
                              "answers": list(s.answers), "prompt_tokens": c.prompt_tokens,
                              "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
                              "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **share, **f})

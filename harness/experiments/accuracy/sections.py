@@ -5,12 +5,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from harness.experiments.accuracy.data import AccuracyData
-from harness.reporting import plots
+from harness.reporting import plots, results_file
 from harness.reporting.summary import Summary
 
 CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
              "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
-             "pair by retention (and, with fidelity, the CSV's PAIRWISE_TOP1 rows by top-1 agreement).")
+             "pair by retention (and, with fidelity, pairwise.csv's `fid_top1` rows by top-1 agreement).")
 
 DEFINITIONS = (
     "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
@@ -35,11 +35,12 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
     if reference is not None and reference in data.systems:
         md, csv = data.average_table(reference, units)
         summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
-        summary.csv(csv)
+        summary.csv([{k: v for k, v in r.items() if k != "task"} for r in csv], "averages")
     md, csv = data.unit_table(reference if reference in data.systems else None, units)
     if per_unit:
         summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
-    summary.csv(csv)
+    summary.csv(csv, "scores")
+    summary.results(results_file.unit_records(csv))
     flagged = data.flagged(reference) if reference in data.systems else []
     if flagged:
         summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
@@ -52,10 +53,10 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
         if md:
             summary.section("Pairwise: difference in macro retention" + (f" ({title})" if title else "")).table(
                 AccuracyData.PAIRWISE_HEADER, md)
-        summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
+        summary.csv([pairwise_row(r, "macro_retention", title) for r in csv], "pairwise")
         if data.has("fid_top1"):
-            summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
-                         for r in data.fidelity_pairwise("fid_top1", ref, systems, units)])
+            summary.csv([pairwise_row(r, "fid_top1", title)
+                         for r in data.fidelity_pairwise("fid_top1", ref, systems, units)], "pairwise")
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:
@@ -77,6 +78,15 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
             notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
             ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
             title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
+
+
+def pairwise_row(row: dict, metric: str, group: str) -> dict:
+    """One row of pairwise.csv: a paired difference of `metric` between two systems (A − B), tidy: the metric is a
+    column, not a marker in the task column."""
+    name = next(k for k in row if k.endswith("_difference"))
+    return {"group": group or None, "metric": metric, "system": row["system"], "other": row["other"],
+            "difference": row[name], "ci_low": row[f"{name}_ci_low"], "ci_high": row[f"{name}_ci_high"],
+            "n": row[f"{name}_n"], "verdict": row["verdict"]}
 
 
 def cells_seconds(metrics: list[dict]) -> float:

@@ -154,7 +154,7 @@ def write_summary(run: Run[Params], results: list[dict], envs: list[dict]) -> di
                  f"and busy threads are read from /proc over the timed steps; CPUs allowed: "
                  f"{r0.get('cpus_allowed') or '?'}.")
     summary.csv([{**r, "speedup_vs_reference": _ratio(at[(ref, r["batch"])]["total_ms"], r["total_ms"]),
-                  "reference": ref} for r in results])
+                  "reference": ref} for r in results], "points")
     summary.image("png_latency", plots.line_plot(
         out_dir / "latency_vs_batch.png", {s: [(b, at[(s, b)]["total_ms"]) for b in batches] for s in systems},
         "batch size (sequences)", "decode attention per layer and step (ms)",

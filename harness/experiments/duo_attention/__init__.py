@@ -159,7 +159,7 @@ def write_summary(run: Run[Params], metrics: dict, p: dict) -> dict[str, str]:
                                    "mean gate": [(h["step"], h["mean_gate"]) for h in hist]},
         "step", "value", "Gate training", logy=True), "training")
     summary.csv([{"layer": i, "head": h, "gate": float(gates[i, h]), "streaming": (i, h) in streaming}
-                 for i in range(gates.shape[0]) for h in range(gates.shape[1])])
+                 for i in range(gates.shape[0]) for h in range(gates.shape[1])], "gates")
     summary.took(metrics["train_seconds"] + metrics["teacher_seconds"], "teacher states + training")
     return summary.write(out_dir)
 

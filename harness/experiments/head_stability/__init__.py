@@ -154,7 +154,7 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
             ", ".join(f"L{layer}: {n}" for layer, n in sorted(per_layer.items())))
     head_columns = ("layer", "head", "ts_mean", "ts_std", "ts_min", "bottom_frequency", "unstable")
     summary.csv([{"task": m["task"], **{k: hs[k] for k in head_columns}}
-                 for m in results for hs in m["flexicache"]["head_stats"]])
+                 for m in results for hs in m["flexicache"]["head_stats"]], "heads")
     panels = []
     for m in results:
         if not m.get("rco_by_offset"):

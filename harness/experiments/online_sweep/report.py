@@ -82,8 +82,8 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                  "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "
                  "most requests in flight in any second. Every server streams one chunk per token.")
     if p.goodput:
-        summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in summary.csv.")
-    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows])
+        summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in rates.csv.")
+    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows], "rates")
     if rows:
         by = {s: sorted((r for r in rows if r["system"] == s), key=lambda r: r["request_rate"])
               for s in dict.fromkeys(r["system"] for r in rows)}
