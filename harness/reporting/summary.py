@@ -204,5 +204,5 @@ def console_lines(paths: dict[str, str]) -> list[str]:
 def print_paths(paths: dict[str, str]) -> None:
     """The run's closing lines on stdout (console_lines); every file written, in the log."""
     for kind, path in paths.items():
-        log.info("wrote %s: %s", kind, path)
+        log.debug("wrote %s: %s", kind, path)
     print("\n".join(console_lines(paths)), flush=True)

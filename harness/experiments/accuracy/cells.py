@@ -152,9 +152,10 @@ def collect(run: Run[Any], cells: list[GridCell], labels: list[str],
     experiment block (a multirun's other jobs); returns cells, labels, metrics and rows for a summary."""
     out_dir, same_code = run.out_dir, run.same_code
     stored = {c.key: c for c in cells_on_disk.finished(out_dir, cells_on_disk.exp_block(run.cfg), same_code)}
-    if not same_code:      # a report rebuilds from whatever the grid's folders hold, whichever code made them
-        stored.update({c.key: c for c in cells_on_disk.finished(out_dir, None, False)
-                       if c.key in {g.key for g in cells}})
+    # the grid's own cells whatever experiment block made them: a reference cell another run (with other systems)
+    # made is this grid's cell too; a rebuild from disk (not same_code) reads them whichever code made them
+    stored.update({c.key: c for c in cells_on_disk.finished(out_dir, None, same_code)
+                   if c.key in {g.key for g in cells}})
     out_cells: list[Any] = []
     out_labels: list[str] = []
     for cell, label in zip(cells, labels):
