@@ -25,6 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from harness.integrations.tracking import Tracker, tracker_for
 from harness.reporting.summary import print_paths
 from harness.running import params as params_lib
 from harness.running.config import (
@@ -100,15 +101,16 @@ def run(cfg: DictConfig) -> list[dict]:
         quiet_libraries(cfg.get("library_log_level", "error"))
         experiment, context = prepare(cfg)
         check_writable(context.out_dir)
-        return drive(experiment, context)
+        return drive(experiment, context, tracker_for(cfg))
     except USER_ERRORS as exc:
         if isinstance(exc, UserError):
             raise
         raise UserError(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
 
 
-def drive(experiment: Experiment[Any], run: Run[Any]) -> list[dict]:
-    """Every cell of the experiment (complete ones skipped, the rest resumed), then its summary from disk."""
+def drive(experiment: Experiment[Any], run: Run[Any], tracker: Tracker | None = None) -> list[dict]:
+    """Every cell of the experiment (complete ones skipped, the rest resumed), then its summary from disk; `tracker`
+    (tracking=mlflow) logs each cell that runs and the summary."""
     metrics: dict[str, dict] = {}
     try:
         cells = experiment.cells(run)
@@ -141,13 +143,15 @@ def drive(experiment: Experiment[Any], run: Run[Any]) -> list[dict]:
                         metrics[cell.key] = store.metrics()
                         continue
                     metrics[cell.key] = run_one(experiment, run, cell, store, done)
+                if tracker is not None:
+                    tracker.log_cell(cell.key, store.root, metrics[cell.key])
         finally:
             run.progress.close()
             run.progress = None
     finally:
         run.workspace.close()
     if not sweep_job():
-        summarize(experiment, run, cells)
+        summarize(experiment, run, cells, tracker)
     return [metrics[c.key] for c in cells]
 
 
@@ -188,8 +192,13 @@ def run_one(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellS
     return store.metrics()
 
 
-def summarize(experiment: Experiment[Any], run: Run[Any], cells: list[Cell] | None = None) -> dict[str, str]:
-    """The experiment's summary from the cells on disk, printed; returns the paths written."""
+def summarize(experiment: Experiment[Any], run: Run[Any], cells: list[Cell] | None = None,
+              tracker: Tracker | None = None) -> dict[str, str]:
+    """The experiment's summary from the cells on disk, logged to the run's tracker (default: the one its config
+    names) and printed last; returns the paths written."""
     paths = experiment.report(run, cells if cells is not None else experiment.cells(run))
+    tracker = tracker if tracker is not None else tracker_for(run.cfg)
+    if tracker is not None:
+        tracker.log_summary(run.out_dir, paths)
     print_paths(paths)
     return paths
