@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy import AccuracyExperiment, ratio
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.params import AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
@@ -81,7 +81,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
     elif len(data.systems) > 1:
         left_out = [LABELS[m] for m in modes if units[m] not in use]
         bullets.append(f"macro retention over {', '.join(LABELS[m] for m in modes if units[m] in use)} vs "
-                       f"`{reference}`" + (f" at a budget of {budget} tokens" if budget else "")
+                       f"`{reference}`" + ratio.phrase(p.compression_ratio, budget, None)
                        + (f" ({', '.join(left_out)} left out: `{reference}` scores less than "
                           f"{data.min_reference:g} above chance there, see †)" if left_out else "")
                        + f": {data.ranking(reference)}")

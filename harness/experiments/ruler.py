@@ -22,6 +22,7 @@ import numpy as np
 from harness.experiments.accuracy import AccuracyExperiment
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.ratio import phrase as budget_phrase
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
@@ -84,7 +85,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
     if others:
         bullets.append(f"macro retention vs `{reference}` over lengths"
-                       + (f" at a budget of {budget} tokens" if budget else "") + f": {by_length.ranking(reference)}")
+                       + budget_phrase(p.compression_ratio, budget, None) + f": {by_length.ranking(reference)}")
     if others and by_length.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: {by_length.fidelity_ranking('fid_top1', reference)}")
     summary.glance(CHAIN_KEY, bullets)

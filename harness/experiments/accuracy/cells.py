@@ -7,6 +7,7 @@ with `collect`.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -29,11 +30,18 @@ from systems.registry import backend_of
 
 @dataclass
 class AccuracyItem:
-    """What an accuracy cell runs: its grid cell, its label in the summary, and its fidelity role (None: off)."""
+    """What an accuracy cell runs: its grid cell, its label in the summary, its fidelity role (None: off), its
+    folder key (the grid's, or with the compression ratio that sets its budgets) and its budget per sample."""
 
     grid: GridCell
     label: str
     plan: fidelity.FidelityPlan | None
+    key: str | None = None
+    budgets: dict[str, int] | None = None       # sample id -> KV budget (exp.params.compression_ratio)
+
+    def keyed(self) -> GridCell:
+        """The grid cell under the key its folder has."""
+        return self.grid if self.key in (None, self.grid.key) else dataclasses.replace(self.grid, key=str(self.key))
 
 
 def fidelity_settings(cfg: DictConfig) -> dict | None:
@@ -48,10 +56,13 @@ def fidelity_settings(cfg: DictConfig) -> dict | None:
     return {**FIDELITY_DEFAULTS, **(extra or {})}
 
 
-def cell_config(cfg: DictConfig, cell: GridCell) -> DictConfig:
-    """The cell's resolved config plus its fidelity settings: another setting reruns the cell."""
+def cell_config(cfg: DictConfig, cell: GridCell, compression_ratio: float | None = None) -> DictConfig:
+    """The cell's resolved config plus its fidelity settings and the compression ratio that sets its budgets:
+    another setting reruns the cell."""
     node = cell.resolved(cfg)
     node["fidelity"] = fidelity_settings(cfg)
+    if compression_ratio is not None:
+        node["compression_ratio"] = float(compression_ratio)
     return node
 
 
@@ -104,14 +115,16 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
         batch = grid.system.batch_size
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
+            budgets = [item.budgets.get(s.id) for s, _ in chunk] if item.budgets else None
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
-                                      stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0)
-                    for s, p in chunk]
+                                      stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
+                                      kv_budget=budgets[i] if budgets else None)
+                    for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
             t1 = time.perf_counter()
             fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
-                                      completions) if plan else [{} for _ in chunk])
+                                      completions, budgets) if plan else [{} for _ in chunk])
             t2 = time.perf_counter()
             gen_seconds += t1 - t0
             fid_seconds += t2 - t1
@@ -123,6 +136,7 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
                 scores = task.score(s, c.text)
                 rows.append({"id": s.id, "prediction": c.text, **scores, "meta": s.meta,
                              "prompt_hash": prompt_hash(prompt),
+                             **({"kv_budget": item.budgets.get(s.id)} if item.budgets else {}),
                              "answers": list(s.answers), "prompt_tokens": c.prompt_tokens,
                              "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
                              "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **share, **f})

@@ -20,7 +20,7 @@ from harness.running.store import atomic_write_text
 FOLDER = "samples"
 # row keys that are bookkeeping, not a metric of the sample
 NOT_METRICS = {"id", "prediction", "meta", "answers", "prompt_hash", "prompt_tokens", "output_tokens", "output_ids",
-               "ttft_s", "tpot_s", "finish_reason", "kv_stats", "generation_s", "fidelity_s", "fid_steps"}
+               "ttft_s", "tpot_s", "finish_reason", "kv_stats", "generation_s", "fidelity_s", "fid_steps", "kv_budget"}
 FIDELITY = ("fid_top1", "fid_kl", "gold_loglik")
 
 
@@ -36,6 +36,7 @@ def sample_record(row: dict, system: str, task: str) -> dict[str, Any]:
             "prediction": row.get("prediction"), "score": row.get("score"), "metrics": metrics,
             "fidelity": {k: row.get(k) for k in FIDELITY if k in row} or None,
             "prompt_tokens": row.get("prompt_tokens"), "output_tokens": row.get("output_tokens"),
+            "kv_budget": row.get("kv_budget"),
             "finish_reason": row.get("finish_reason"), "meta": row.get("meta")}
 
 
