@@ -48,7 +48,8 @@ def test_a_policy_that_cannot_keep_a_sample_names_it():
 def test_each_sample_runs_at_its_own_budget(tiny_llama_dir, tmp_path):
     from harness.running.driver import run
     overrides = ["+exp=accuracy_retention", "exp.systems=[dense,snapkv,quest]", "exp.tasks=[needlebench_srt]",
-                 "+exp.params.compression_ratio=0.5", "exp.params.budget=null", "exp.params.fidelity={steps:4,gold:false}",
+                 "+exp.params.compression_ratio=0.5", "exp.params.budget=null",
+                 "exp.params.fidelity={steps:4,gold:false}",
                  "exp.params.task_params={needlebench_srt:{lengths:[300,500],depths:[50],max_new_tokens:4}}",
                  f"model.path={tiny_llama_dir}", "model.dtype=float32", "model.max_input_tokens=1000",
                  "model.max_model_len=2048", "progress=false", f"results_dir={tmp_path}"]

@@ -34,6 +34,14 @@ def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[i
                                             dict[tuple[int, float], int]]:
     """(lengths, depths, mean score per (length, depth), samples per cell) from NeedleBench rows; an M-RT sample
     counts at the depth of each of its needles with that needle's hit."""
+    values = cell_scores(rows)
+    grid = {k: sum(v) / len(v) for k, v in values.items()}
+    counts = {k: len(v) for k, v in values.items()}
+    return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
+
+
+def cell_scores(rows: list[dict]) -> dict[tuple[int, float], list[float]]:
+    """The scores behind each (length, depth) cell (see length_depth)."""
     values: dict[tuple[int, float], list[float]] = {}
     for row in rows:
         meta = row["meta"]
@@ -43,9 +51,12 @@ def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[i
                 values.setdefault(key, []).append(row[f"hit_depth{_fmt_depth(needle['depth'])}"])
         else:
             values.setdefault((int(meta["length"]), float(meta["depth"])), []).append(row["score"])
-    grid = {k: sum(v) / len(v) for k, v in values.items()}
-    counts = {k: len(v) for k, v in values.items()}
-    return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
+    return values
+
+
+def n_phrase(counts: list[int]) -> str:
+    """`n = 5` when every cell has 5 samples, `n = 4–6` otherwise."""
+    return f"n = {min(counts)}" if min(counts) == max(counts) else f"n = {min(counts)}–{max(counts)}"
 
 
 def _fmt_depth(d: float) -> str:
@@ -109,20 +120,26 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                 continue
             lengths, depths, grid, counts = length_depth(rows)
             values = [[grid.get((L, d), math.nan) for d in depths] for L in lengths]
-            panels.append((s, values, lengths, [_fmt_depth(d) for d in depths]))
-            summary.section(f"{s} × {LABELS[mode]}: score by context length (tokens) × needle depth (%), n per cell "
-                            f"{min(counts.values())}–{max(counts.values())}")
+            scores = cell_scores(rows)
+            cis = {k: unc.mean(v) for k, v in scores.items()}
+            notes = [[f"[{cis[(L, d)].low:.0f}, {cis[(L, d)].high:.0f}]" if (L, d) in cis else "" for d in depths]
+                     for L in lengths]
+            panels.append((s, values, [plots.tick_label(L) for L in lengths], [_fmt_depth(d) for d in depths],
+                           notes))
+            summary.section(f"{s} × {LABELS[mode]}: score by context length (tokens) × needle depth (%), "
+                            f"{n_phrase(list(counts.values()))} per cell")
             summary.table(["length \\ depth %", *[_fmt_depth(d) for d in depths]],
                           [[L, *row] for L, row in zip(lengths, values)], 0)
             summary.csv([{"system": s, "task": units[mode], "mode": LABELS[mode], "length": L, "depth": d,
                           "score": grid.get((L, d)), "n": counts.get((L, d))} for L in lengths for d in depths],
                         "length_depth")
         if panels:
+            n = f"{n_phrase(list(counts.values()))} samples per cell"
             summary.image(f"png_{mode}", plots.heatmap_grid(
                 out_dir / f"heatmap_{mode}.png", panels, xlabel="needle depth (%)",
                 ylabel="context length (tokens)", colorbar="score (0–100)",
-                title=f"NeedleBench {LABELS[mode]} by length × depth (n per cell "
-                      f"{min(counts.values())}–{max(counts.values())})"), f"heatmap {mode}")
+                title=f"NeedleBench {LABELS[mode]} by length × depth ({n}; mean and 95 % CI per cell)",
+                note=summary.figure_note(n)), f"heatmap {mode}")
     summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

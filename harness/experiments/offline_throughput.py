@@ -106,13 +106,15 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
         title=f"Offline throughput: {p.num_requests} requests × ({p.input_len} in + out) each, same cores and KV "
               f"capacity; {machine_class(cell_envs(results)[0] if results else None)}",
         notes={f"output {o}": [f"{at[(s, o)].get('cores_busy') or 0:.2f} cores" if (s, o) in at else ""
-                               for s in systems] for o in out_lens}), "throughput per system")
+                               for s in systems] for o in out_lens},
+        note=summary.figure_note(f"n = {p.num_requests} requests per bar")), "throughput per system")
     if len(out_lens) > 1:
         summary.image("png", plots.line_plot(
             out_dir / "throughput_vs_output_len.png",
             {s: [(r["output_len"], r["output_tok_s"]) for r in results if r["system"] == s]
              for s in dict.fromkeys(r["system"] for r in results)},
-            "output length (tokens)", "output throughput (tokens/s)", "Offline throughput vs output length"))
+            "output length (tokens)", "output throughput (tokens/s)", "Offline throughput vs output length",
+            ymin=0.0, note=summary.figure_note(f"n = {p.num_requests} requests per point")))
     summary.took(sum(r.get("wall_s", 0) for r in results), "timed generate() calls")
     return summary.write(out_dir)
 

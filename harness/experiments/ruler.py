@@ -112,19 +112,25 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
             [[t, *row, float(np.nanmean(row)) if any(math.isfinite(v) for v in row) else math.nan]
              for t, row in zip(tasks, values)]
             + [["average", *[avg[s][L].value for L in lengths], avg[s]["all"].value]], 1)
-        panels.append((s, values, tasks, [str(L) for L in lengths]))
+        panels.append((s, values, tasks, [plots.tick_label(L) for L in lengths]))
         summary.csv([{"system": s, "task": t, "length": L, "score": v, "n": data.n(s, f"{t}@{L}")}
                      for t, row in zip(tasks, values) for L, v in zip(lengths, row)], "ruler_table")
+    per_cell = sorted({data.n(s, u) for s in data.systems for u in data.units if data.n(s, u)})
+    n_cell = f"n = {per_cell[0]}" if len(per_cell) == 1 else f"n = {per_cell[0]}–{per_cell[-1]}"
     summary.image("png_heatmap", plots.heatmap_grid(
         out_dir / "ruler_heatmap.png", panels, xlabel="length (tokens)", ylabel="RULER task",
-        colorbar="score (0–100)", title=f"RULER score per task × length (n per cell "
-                                        f"{min(data.n(reference, u) for u in data.units)})", ncols=3), "RULER heatmap")
+        colorbar="score (0–100)", title=f"RULER score per task × length ({n_cell} samples per cell)", ncols=3,
+        note=summary.figure_note(f"{n_cell} samples per task × length cell")), "RULER heatmap")
     if others:
+        n_len = sorted({ratio[s][L].n for s in others for L in lengths if ratio[s][L].n})
+        n_text = f"n = {n_len[0]}" if len(n_len) == 1 else f"n = {n_len[0]}–{n_len[-1]}" if n_len else "n = 0"
         summary.image("png_retention_length", plots.line_plot(
             out_dir / "retention_vs_length.png", {s: [(L, ratio[s][L].value) for L in lengths] for s in others},
-            "length (tokens)", f"RULER average ÷ {reference} (95 % CI)", "Retention vs context length",
+            "context length (tokens; points nudged apart)", f"RULER average ÷ {reference} (95 % CI)",
+            f"Retention vs context length ({n_text} paired samples per point)",
             errors={s: [(L, ratio[s][L].low, ratio[s][L].high) for L in lengths] for s in others}, logx=True,
-            hline=1.0), "retention vs length")
+            hline=1.0, dodge=True, note=summary.figure_note(f"{n_text} paired samples per point")),
+            "retention vs length")
     standard_sections(summary, by_length, reference, out_dir, per_unit=False)
     summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")

@@ -78,6 +78,22 @@ class Summary:
             self.parts += [f"![{alt or Path(path).stem}]({Path(path).name})", ""]
         return self
 
+    def budget_text(self) -> str:
+        """The run's KV budget in words: kvpress's ratio, a shared budget, a sweep's budgets, or none."""
+        params = self.cfg.exp.get("params") or {} if self.cfg.get("exp") is not None else {}
+        if params.get("compression_ratio") is not None:
+            return f"kvpress compression_ratio {float(params['compression_ratio']):g} (budget per sample)"
+        if params.get("budget") is not None:
+            return f"budget {params['budget']} tokens per layer and KV head"
+        if params.get("budgets"):
+            return f"budgets {', '.join(str(b) for b in params['budgets'])} tokens per layer and KV head"
+        return "no shared KV budget (each system as configured)"
+
+    def figure_note(self, n: str) -> str:
+        """The line under every figure: its n (`n = 44 per system`), the budget and the machine class."""
+        env = self.envs[0] if self.envs else static_env()
+        return f"{n} · {self.budget_text()} · {machine_class(env)}"
+
     def csv(self, rows: Sequence[dict], name: str = "summary") -> Summary:
         """Rows of one kind for `<name>.csv` (and results.json's tables): one row type per file, so a reader never
         filters rows by a marker column."""

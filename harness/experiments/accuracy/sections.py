@@ -63,21 +63,33 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
         use = [u for u in units if u not in flagged] or units
         series = {u: [data.retention(s, u, reference).value for s in others] for u in use}
         errors = {u: [(e.low, e.high) for e in (data.retention(s, u, reference) for s in others)] for u in use}
+        sizes = sorted({data.n(reference, u) for u in use})
+        n = f"n = {sizes[0]} samples per task unit" if len(sizes) == 1 else \
+            f"n = {sizes[0]}–{sizes[-1]} samples per task unit"
         summary.image("png_retention", plots.bar_plot(
             out_dir / plot_name, others, series, errors=errors, colour_by="group", reference=1.0,
-            reference_label=f"{reference} (= 1)", xlabel="system", ylabel=f"retention vs {reference} (95 % CI)",
-            title=f"Accuracy retention per task unit (n per unit: "
-                  f"{', '.join(str(data.n(reference, u)) for u in use)})"), "retention")
+            reference_label=f"{reference} (= 1)", xlabel="system (bars: task units, hatched in legend order)",
+            ylabel=f"retention vs {reference} (95 % CI)", title=f"Accuracy retention per task unit ({n})",
+            note=summary.figure_note(n)), "retention")
     if reference in data.systems and others and data.has("fid_top1"):
         top1 = [data.fidelity(s, "fid_top1", units) for s in others]
         kl = [data.fidelity(s, "fid_kl", units) for s in others]
-        summary.image("png_fidelity", plots.bar_plot(
-            out_dir / plot_name.replace("retention", "fidelity"), others,
-            {"top-1 agreement": [e.value for e in top1], "KL (nats)": [e.value for e in kl]},
-            errors={"top-1 agreement": [(e.low, e.high) for e in top1], "KL (nats)": [(e.low, e.high) for e in kl]},
-            notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
-            ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
-            title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
+        counts = sorted({e.n for e in top1})
+        n = f"n = {counts[0]} samples per system" if len(counts) == 1 else \
+            f"n = {counts[0]}–{counts[-1]} samples per system"
+        summary.image("png_fidelity", plots.bar_panels(
+            out_dir / plot_name.replace("retention", "fidelity"), others, [
+                dict(series={"top-1 agreement": [e.value for e in top1]},
+                     errors={"top-1 agreement": [(e.low, e.high) for e in top1]},
+                     notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, reference=1.0,
+                     reference_label="perfect agreement (= 1)", ylabel="top-1 agreement (share, 95 % CI)",
+                     title="Top-1 agreement (higher is closer)"),
+                dict(series={"KL (nats)": [e.value for e in kl]},
+                     errors={"KL (nats)": [(e.low, e.high) for e in kl]},
+                     ylabel=f"KL({reference} ‖ policy), nats per token (95 % CI)",
+                     title="KL divergence (lower is closer; 0 = identical)")],
+            xlabel="system", title=f"Teacher-forced fidelity to {reference} ({n})", note=summary.figure_note(n)),
+            "fidelity")
 
 
 def pairwise_row(row: dict, metric: str, group: str) -> dict:

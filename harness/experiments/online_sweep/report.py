@@ -87,14 +87,16 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
     if rows:
         by = {s: sorted((r for r in rows if r["system"] == s), key=lambda r: r["request_rate"])
               for s in dict.fromkeys(r["system"] for r in rows)}
+        n = f"n = {p.num_prompts} requests per rate ({p.input_len} in + {p.output_len} out)"
         summary.image("tpot_png", plots.line_plot(
             out_dir / "tpot_vs_rate.png",
             {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
-            "request rate (requests/s)", "mean TPOT (ms)", "Mean TPOT vs request rate"), "TPOT vs rate")
+            "request rate (requests/s)", "mean TPOT (ms)", f"Mean TPOT vs request rate ({n})", ymin=0.0,
+            note=summary.figure_note(n)), "TPOT vs rate")
         summary.image("ttft_png", plots.line_plot(
             out_dir / "ttft_vs_rate.png",
             {s: [(r["request_rate"], r["mean_ttft_ms"]) for r in rs] for s, rs in by.items()},
-            "request rate (requests/s)", "mean TTFT (ms)", "Mean TTFT vs request rate",
+            "request rate (requests/s)", "mean TTFT (ms)", f"Mean TTFT vs request rate ({n})",
             dashed={s: [(r["request_rate"], r["p99_ttft_ms"]) for r in rs] for s, rs in by.items()},
-            dashed_label="p99 (dashed)"), "TTFT vs rate")
+            dashed_label="p99 (dashed, ×)", ymin=0.0, note=summary.figure_note(n)), "TTFT vs rate")
     return summary.write(out_dir)
