@@ -71,8 +71,9 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path, note: str | None = None) -> str:
-    if note:                                   # under the axes; bbox "tight" grows the canvas to hold it
-        fig.text(0.5, -0.01, note, ha="center", va="top", fontsize=7, wrap=True, color="#333333")
+    if note:                                   # under everything drawn; bbox "tight" grows the canvas to hold it
+        lowest = fig.get_tightbbox(fig.canvas.get_renderer()).y0 / fig.get_figheight()
+        fig.text(0.5, lowest - 0.01, note, ha="center", va="top", fontsize=7, wrap=True, color="#333333")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")  # written whole, then renamed: readers never see half a PNG
@@ -106,7 +107,7 @@ def line_panels(path: Path, panels: Sequence[dict], xlabel: str, title: str, not
     fig, axes = plt.subplots(1, len(panels), figsize=(6.6 * len(panels), 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel = dict(panel)
-        _lines(ax, panel.pop("series"), xlabel, panel.pop("ylabel"), panel.pop("title"), **panel)
+        _lines(ax, panel.pop("series"), xlabel, panel.pop("ylabel"), panel.pop("title"), legend_below=True, **panel)
     fig.suptitle(title)
     return _save(fig, path, note)
 
@@ -129,7 +130,7 @@ def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
            dashed: Series | None = None, dashed_label: str = "analytic count (×, dashed)", logx: bool = False,
            logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
            hline: float | None = None, colours: Mapping[str, str] | None = None, dodge: bool = False,
-           ymin: float | None = None, footnote: str | None = None) -> None:
+           ymin: float | None = None, footnote: str | None = None, legend_below: bool = False) -> None:
     own = figure_colours([str(label) for label in series])
 
     def pick(label: str) -> str:
@@ -190,19 +191,25 @@ def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    _legend_outside(ax)
+    _legend_outside(ax, below=legend_below)
 
 
 def _plain_ticks(axis: Any) -> None:
-    """Plain numbers on a log axis (60, not 6×10¹)."""
-    from matplotlib.ticker import FuncFormatter
-    axis.set_major_formatter(FuncFormatter(lambda v, _: tick_label(v) if v > 0 else ""))
-    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    """Plain numbers on a log axis at 1, 2 and 5 of each decade (60, not 6×10¹)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v > 0 else ""))
+    axis.set_minor_formatter(NullFormatter())
 
 
-def _legend_outside(ax: Any, **kwargs: Any) -> None:
-    """The legend right of the axes: inside it would sit on a line (the y = 1 reference, a band)."""
-    if ax.get_legend_handles_labels()[0] or kwargs.get("handles"):
+def _legend_outside(ax: Any, below: bool = False, **kwargs: Any) -> None:
+    """The legend off the axes (right of them; below them in side-by-side panels, where the right is the next
+    panel): inside, it would sit on a line (the y = 1 reference, a band)."""
+    if not (ax.get_legend_handles_labels()[0] or kwargs.get("handles")):
+        return
+    if below:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, borderaxespad=0.0, **kwargs)
+    else:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
 
 
@@ -302,7 +309,7 @@ def bar_panels(path: Path, groups: Sequence[str], panels: Sequence[dict], *, xla
     for ax, panel in zip(axes[0], panels):
         panel = dict(panel)
         ylabel, sub_title = panel.pop("ylabel"), panel.pop("title")
-        _bars(ax, groups, panel.pop("series"), colour_by=colour_by, **panel)
+        _bars(ax, groups, panel.pop("series"), colour_by=colour_by, legend_below=True, **panel)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(sub_title, fontsize=10)
@@ -313,7 +320,7 @@ def bar_panels(path: Path, groups: Sequence[str], panels: Sequence[dict], *, xla
 def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]], *,
           errors: Mapping[str, Sequence[tuple[float, float]]] | None = None, colour_by: str = "series",
           notes: Mapping[str, Sequence[str]] | None = None, reference: float | None = None,
-          reference_label: str = "reference") -> None:
+          reference_label: str = "reference", legend_below: bool = False) -> None:
     from matplotlib.patches import Patch
 
     width = 0.8 / max(1, len(series))
@@ -352,4 +359,4 @@ def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]],
     if len(series) == 1 and colour_by == "group":
         shown = [h for h in shown if not isinstance(h, Patch)]
     if shown:
-        _legend_outside(ax, handles=shown)
+        _legend_outside(ax, below=legend_below, handles=shown)

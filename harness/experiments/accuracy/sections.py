@@ -68,7 +68,8 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
             f"n = {sizes[0]}–{sizes[-1]} samples per task unit"
         summary.image("png_retention", plots.bar_plot(
             out_dir / plot_name, others, series, errors=errors, colour_by="group", reference=1.0,
-            reference_label=f"{reference} (= 1)", xlabel="system (bars: task units, hatched in legend order)",
+            reference_label=f"{reference} (= 1)",
+            xlabel="system" + (" (bars: task units, hatched as in the legend)" if len(use) > 1 else ""),
             ylabel=f"retention vs {reference} (95 % CI)", title=f"Accuracy retention per task unit ({n})",
             note=summary.figure_note(n)), "retention")
     if reference in data.systems and others and data.has("fid_top1"):
