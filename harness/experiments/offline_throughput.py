@@ -104,7 +104,7 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
          for o in out_lens},
         xlabel="system (cores busy per bar)", ylabel="total tokens/s (prompt + output)", colour_by="group",
         title=f"Offline throughput: {p.num_requests} requests × ({p.input_len} in + out) each, same cores and KV "
-              f"capacity; {machine_class((cell_envs(results) or [None])[0])}",
+              f"capacity; {machine_class(next(iter(cell_envs(results)), None))}",
         notes={f"output {o}": [f"{at[(s, o)].get('cores_busy') or 0:.2f} cores" if (s, o) in at else ""
                                for s in systems] for o in out_lens},
         note=summary.figure_note(f"n = {p.num_requests} requests per bar")), "throughput per system")
