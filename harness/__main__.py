@@ -67,7 +67,13 @@ def cli() -> None:
         print(help_text())
         return
     precheck(argv)
+    from harness.running import sweep
+
+    if sweep.is_sweep(argv):
+        sweep.announce(argv)        # the jobs record the sweep's command; none of them writes the summary
     main()
+    if sweep.is_sweep(argv):
+        sweep.summarize_sweep(argv)  # one summary per results folder, after the last job
 
 
 if __name__ == "__main__":  # the guard matters: vLLM spawns a process that re-imports this module

@@ -23,6 +23,9 @@ class GenerationRequest:
     # tokens back instead of its own choice; EOS and stop strings do not end it
     forced_output_ids: tuple[int, ...] | None = None
     logprob_steps: int = 0            # keep the full next-token log-probabilities of the first N output steps
+    # this request's KV budget (tokens per layer and KV head, mapped onto the policy's knobs by Policy.at_budget);
+    # None: the system's configured policy. Systems that run no KV policy keep the full cache and ignore it
+    kv_budget: int | None = None
 
 
 @dataclass

@@ -22,10 +22,12 @@ def _run(exp: str, model_dir, results, *overrides):
     folder = results / cfg.exp.name
     md = (folder / "summary.md").read_text()
     assert md.startswith(f"# {cfg.exp.name}") and "**At a glance:**" in md and "Regenerate: `" in md
-    with open(folder / "summary.csv") as f:
-        rows = list(csv.DictReader(f))
-    assert rows
-    return out, md, rows, sorted(p.name for p in folder.glob("*.png"))
+    tables = {}
+    for path in folder.glob("*.csv"):           # tidy: one row type per file, named for it
+        with open(path) as f:
+            tables[path.stem] = list(csv.DictReader(f))
+    assert tables and all(tables.values()) and (folder / "results.json").is_file()
+    return out, md, tables, sorted(p.name for p in folder.glob("*.png"))
 
 
 def test_accuracy_retention_end_to_end(tiny_llama_dir, tmp_path):
@@ -33,6 +35,7 @@ def test_accuracy_retention_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.tasks=[needlebench_srt]", "exp.params.budget=64",
                              f"exp.params.task_params={{{SRT}}}")
     assert "## Per task unit" in md and "retention [95 % CI]" in md and pngs == ["fidelity.png", "retention.png"]
+    rows = rows["scores"]
     assert {r["system"] for r in rows} == {"engine-dense", "engine-snapkv"}
     unit = next(r for r in rows if r["system"] == "engine-snapkv" and r["task"] == "needlebench_srt")
     assert unit["n"] == "1" and {"ci_low", "ci_high"} <= {k.removeprefix("retention_") for k in unit}
@@ -45,10 +48,10 @@ def test_accuracy_retention_sweeps_budgets(tiny_llama_dir, tmp_path):
     _, md, rows, _ = _run("accuracy_retention", tiny_llama_dir, tmp_path, "exp.systems=[dense,quest]",
                           "exp.tasks=[needlebench_srt]", "exp.params.budget=null", "+exp.params.budgets=[32,64]",
                           f"exp.params.task_params={{{SRT}}}")
-    assert {r["system"] for r in rows} == {"engine-dense", "engine-quest@32", "engine-quest@64"}
+    assert {r["system"] for r in rows["scores"]} == {"engine-dense", "engine-quest@32", "engine-quest@64"}
     assert "at budgets of 32, 64 tokens" in md
     # one policy at two budgets: nothing to compare at equal budget, and pairs across budgets say nothing
-    assert not any(r["task"] in ("PAIRWISE", "PAIRWISE_TOP1") for r in rows)
+    assert "pairwise" not in rows
     cells = sorted(p.name for p in (tmp_path / "accuracy_retention").iterdir() if p.is_dir())
     assert sum("budget=32" in c for c in cells) == 1 and sum("budget=64" in c for c in cells) == 1
 
@@ -65,7 +68,7 @@ def test_needlebench_end_to_end_all_modes(tiny_llama_dir, tmp_path):
               "needlebench_mrs:{lengths:[300],depths:[10],needle_counts:[2],max_new_tokens:4}}")
     _, md, rows, pngs = _run("needlebench", tiny_llama_dir, tmp_path, "exp.systems=[dense]", params)
     assert pngs == ["heatmap_mrs.png", "heatmap_mrt.png", "heatmap_srt.png"]
-    overall = [r for r in rows if r["task"] == "OVERALL"]
+    overall = rows["overall"]
     assert len(overall) == 1 and overall[0]["v2_overall"] != ""       # all three modes ran: the overall is defined
     assert "- v2 overall (0–100): engine-dense " in md
 
@@ -75,7 +78,7 @@ def test_cake_ablation_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.params.allocations=[preference,uniform]", "exp.params.indicators=[mean_plus_var]",
                              "exp.params.tau1s=[0.5,1.0]", "exp.params.tau2s=[1.0]",
                              f"exp.params.task_params={{{SRT}}}")
-    studies = sorted([r["study"] for r in rows if r["task"] == "POINT"] + ["reference"])
+    studies = sorted([r["study"] for r in rows["points"]] + ["reference"])
     # the base point runs once (it is also the indicator study's only point and tau (1, 1)), then uniform,
     # tau (0.5, 1), and the dense reference
     assert studies == ["allocation", "allocation", "reference", "tau"]
@@ -90,6 +93,7 @@ def test_memory_end_to_end_matches_analytic(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("memory", tiny_llama_dir, tmp_path, "exp.systems=[dense,streaming,cake,cake_nocascade]",
                              "exp.params.budget=64", "exp.params.lengths=[300,600]", "exp.params.output_len=4",
                              "exp.params.warmup=false")
+    rows = rows["memory"]
     assert all(r["matches_analytic"] == "True" for r in rows)
     peak = {(r["system"], r["length"]): float(r["device_kv_peak_bytes"]) for r in rows}
     assert peak[("engine-cake", "600")] < peak[("engine-cake-nocascade", "600")]   # cascading bounds prefill
@@ -99,7 +103,7 @@ def test_memory_end_to_end_matches_analytic(tiny_llama_dir, tmp_path):
 def test_memory_one_length_end_to_end(tiny_llama_dir, tmp_path):
     _, md, rows, pngs = _run("memory", tiny_llama_dir, tmp_path, "exp.systems=[dense,snapkv]", "exp.params.budget=64",
                              "exp.params.lengths=[300]", "exp.params.output_len=3", "exp.params.warmup=false")
-    assert [r["matches_analytic"] for r in rows] == ["True", "True"]
+    assert [r["matches_analytic"] for r in rows["memory"]] == ["True", "True"]
     assert pngs == ["device_kv_vs_length.png"]
 
 
@@ -109,6 +113,7 @@ def test_decode_microbench_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.params.context=256",
                              "exp.params.budget=64", "exp.params.batch_sizes=[1,2]", "exp.params.steps=4",
                              "exp.params.warmup=1")
+    rows = rows["points"]
     assert len(rows) == 10 and pngs == ["latency_vs_batch.png", "speedup_vs_batch.png"]
     by = {(r["system"], r["batch"]): r for r in rows}
     assert float(by[("engine-dense", "2")]["pages_read_per_head_step"]) == 17.0     # ceil(256 + 5 tokens / 16)
@@ -125,6 +130,7 @@ def test_decode_roofline_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.params.contexts=[64]", "exp.params.batch_sizes=[1,2]", "exp.params.budget=32",
                              "exp.params.steps=2", "exp.params.split_steps=1", "exp.params.warmup=0",
                              "exp.params.bandwidth_gib=0.05")      # no warm-up: FlexiCache's step-1 rerank is timed
+    rows = rows["points"]
     assert pngs == ["achieved_vs_attainable.png"] and len(rows) == 4
     assert "its bandwidth floor" in md and "streaming read bandwidth measured in this run" in md
     by = {(r["system"], r["batch"]): r for r in rows}
@@ -144,18 +150,16 @@ def test_ruler_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.params.task_params.ruler.num_samples=2", "model.max_input_tokens=1500")
     assert "RULER average per length" in md and "engine-streaming: RULER table" in md
     assert {"ruler_heatmap.png", "retention_vs_length.png"} <= set(pngs)
-    cells = [r for r in rows if r["task"] == "vt" and r["system"] == "engine-dense"]
+    cells = [r for r in rows["ruler_table"] if r["task"] == "vt" and r["system"] == "engine-dense"]
     assert sorted(r["length"] for r in cells) == ["1024", "1280"] and all(r["n"] == "2" for r in cells)
-    avg = [r for r in rows if r["task"] == "RULER average" and r["system"] == "engine-streaming"]
-    assert avg and avg[0]["length"] == "all" and avg[0]["score_n"] == "8"
+    avg = [r for r in rows["ruler_average"] if r["system"] == "engine-streaming"]
+    assert avg and avg[0]["score_n"] == "8"
     # rankings and averages use RULER's unit, one length (the mean over its tasks), not task × length cells
     assert "macro retention vs `engine-dense` over lengths" in md
-    units = {r["task"] for r in rows if r["system"] == "engine-streaming" and r.get("retention_n")
-             and r["task"] not in ("AVERAGE", "PAIRWISE")}
+    units = {r["task"] for r in rows["scores"] if r["system"] == "engine-streaming" and r.get("retention_n")}
     assert units == {"ruler/1024", "ruler/1280"}, units
     # what each policy really keeps on the device: the window policy its 64 tokens (whole pages), dense everything
-    kv = {r["system"]: float(r["device_kv_tokens"]) for r in rows
-          if r["task"] == "AVERAGE" and r.get("device_kv_tokens")}
+    kv = {r["system"]: float(r["device_kv_tokens"]) for r in rows["averages"] if r.get("device_kv_tokens")}
     assert 64 <= kv["engine-streaming"] <= 64 + 16 < kv["engine-dense"], kv
     assert "device KV (tokens / layer·head)" in md
     # a length whose prompts exceed the model's input limit fails in one line before its prompts are built
@@ -170,11 +174,11 @@ def test_budget_sweep_end_to_end(tiny_llama_dir, tmp_path):
                              "exp.tasks=[needlebench_srt]", "exp.params.budgets=[32,64]", "exp.params.contexts={}",
                              f"+exp.params.task_params.{SRT.replace(':', '=', 1)}")
     assert "score_vs_budget.png" in pngs and "Score, retention and fidelity per policy and budget" in md
-    means = {(r["system"], r["budget"]) for r in rows if r["task"] == "MEAN"}
+    means = {(r["system"], r["budget"]) for r in rows["budget_curve"]}
     assert means == {("engine-quest", "32"), ("engine-quest", "64"), ("engine-streaming", "32"),
                      ("engine-streaming", "64"), ("engine-dense", "")}
     # policies are compared at equal budget only
-    pairs = {(r["group"], r["system"], r["other"]) for r in rows if r["task"] in ("PAIRWISE", "PAIRWISE_TOP1")}
+    pairs = {(r["group"], r["system"], r["other"]) for r in rows["pairwise"]}
     assert pairs == {("budget 32", "engine-quest@32", "engine-streaming@32"),
                      ("budget 64", "engine-quest@64", "engine-streaming@64")}, pairs
 
@@ -186,5 +190,5 @@ def test_quickstart_end_to_end(tiny_llama_dir, tmp_path):
                                "exp.params.throughput.systems=[dense]", "exp.params.throughput.num_requests=2",
                                "exp.params.throughput.input_len=300", "exp.params.throughput.output_len=4")
     assert len(out) == 3 and out[-1]["system"] == "engine-dense" and out[-1]["output_tok_s"] > 0
-    assert any(r.get("part") == "throughput" for r in rows) and "Offline throughput" in md
+    assert rows["throughput"][0]["system"] == "engine-dense" and "Offline throughput" in md
 

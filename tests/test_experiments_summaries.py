@@ -158,7 +158,7 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
     run = Run(cfg, p, [], tmp_path, Workspace(cfg))
     paths = ruler.write_summary(run, cells, [c.system.name for c in cells], [], rows_by_cell)
     md = open(paths["md"]).read()
-    rows = list(csv_lib.DictReader(open(paths["csv"])))
+    rows = list(csv_lib.DictReader(open(paths["csv_scores"])))
     for system in ("engine-dense", "engine-a"):
         unit = next(r for r in rows if r["task"] == "ruler/2048" and r["system"] == system)
         cell = f"{float(unit['score']):.1f} [{float(unit['score_ci_low']):.1f}, {float(unit['score_ci_high']):.1f}]"
@@ -167,7 +167,9 @@ def test_ruler_summary_shows_each_length_figure_with_the_interval_its_verdicts_u
     assert f"{float(a['retention']):.2f} [{float(a['retention_ci_low']):.2f}, " \
            f"{float(a['retention_ci_high']):.2f}]" in md
     assert "Every task has the same number of samples at each length" in md
-    assert any(r["task"] == "PAIRWISE_TOP1" and r["system"] == "engine-a" for r in rows)
+    pairs = list(csv_lib.DictReader(open(paths["csv_pairwise"])))
+    assert any(r["metric"] == "fid_top1" and r["system"] == "engine-a" for r in pairs)
+    assert {r["metric"] for r in pairs} == {"macro_retention", "fid_top1"}
 
 
 def test_every_system_keeps_its_own_colour_without_a_list_of_names():

@@ -68,7 +68,7 @@ def test_summary_has_vllm_keys_per_system_and_rate_and_two_plots(tmp_path):
     from harness.running.experiment import Run
     from harness.running.workspace import Workspace
     paths = online_sweep.write_summary(Run(cfg, p, [], tmp_path, Workspace(cfg)), rows, [])
-    table = list(csv.DictReader(open(paths["csv"])))
+    table = list(csv.DictReader(open(paths["csv_rates"])))
     assert [(r["system"], float(r["request_rate"])) for r in table] == [("a", 1.0), ("a", 2.0), ("b", 1.0),
                                                                          ("b", 2.0)]
     for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "completed",
@@ -93,7 +93,7 @@ def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_pat
            "exp.params.output_len=8", f"results_dir={tmp_path}", "progress=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    table = list(csv.DictReader(open(tmp_path / "online_sweep" / "summary.csv")))
+    table = list(csv.DictReader(open(tmp_path / "online_sweep" / "rates.csv")))
     assert [int(r["completed"]) for r in table] == [4, 4]
     assert all(float(r["mean_tpot_ms"]) > 0 and float(r["mean_ttft_ms"]) > 0 for r in table)
     # A rerun finds every rate on disk and starts no server.

@@ -73,7 +73,7 @@ def test_accuracy_retention_runs_the_extension_in_a_fresh_process(installed, tin
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     folder = tmp_path / "accuracy_retention"
-    rows = list(csv.DictReader(open(folder / "summary.csv")))
+    rows = list(csv.DictReader(open(folder / "scores.csv")))
     units = {(r["system"], r["task"]) for r in rows if r["n"]}
     assert units == {("engine-dense", "repeat_number"), ("engine-keep_first_pages", "repeat_number")}, units
     md = (folder / "summary.md").read_text()

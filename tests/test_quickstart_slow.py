@@ -22,7 +22,7 @@ def test_quickstart_toy_scale(tmp_path):
             "exp.params.throughput.input_len=256", "exp.params.throughput.output_len=4"])
     run(cfg)
     out = Path(tmp_path) / "quickstart"
-    rows = list(csv.DictReader((out / "summary.csv").open()))
+    rows = list(csv.DictReader((out / "scores.csv").open()))
     units = [r for r in rows if r.get("task") == "needlebench_srt_quick"]
     assert {r["system"] for r in units} == {f"engine-{s}" for s in cfg.exp.systems}
     dense = next(r for r in units if r["system"] == "engine-dense")

@@ -1,7 +1,4 @@
 """README.md's quickstart and results blocks are what harness.reporting.readme builds from the committed summaries."""
-import io
-import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -11,24 +8,26 @@ from harness.reporting import readme
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _committed(tmp_path: Path) -> Path:
-    """results/ and conf/exp/ as git holds them (committed or staged), so a local rerun (`make run` rewrites
-    results/quickstart) does not put the README out of step; outside a git checkout, the files on disk."""
-    git = ["git", "-C", str(ROOT)]
-    try:
-        tree = subprocess.run([*git, "write-tree"], capture_output=True, text=True, check=True).stdout.strip()
-        tar = subprocess.run([*git, "archive", tree, "results", "conf/exp"], capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return ROOT
-    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
-        archive.extractall(tmp_path, filter="data")
-    return tmp_path
-
-
 def test_readme_matches_committed_summaries(tmp_path):
     text = (ROOT / "README.md").read_text()
-    assert readme.render(text, _committed(tmp_path)) == text, \
+    assert readme.render(text, readme.committed_root(tmp_path)) == text, \
         "README.md is out of date with the committed summaries: run `python -m harness.reporting.readme`"
+
+
+def test_scratch_and_multirun_folders_never_reach_the_readme(tmp_path):
+    """A local `python -m harness` (results/default), a multirun's own exp.name and a local rerun of a committed
+    experiment leave the README as the committed summaries make it."""
+    root = readme.committed_root(tmp_path / "committed")
+    before = readme.render((ROOT / "README.md").read_text(), root)
+    for scratch in ("default", "acc_b128", "roofline_toy"):
+        (root / "results" / scratch).mkdir(parents=True, exist_ok=True)
+        (root / "results" / scratch / "summary.md").write_text(f"# {scratch}\n\n**At a glance:** scratch 99.9.\n")
+        (root / "results" / scratch / "scores.csv").write_text("system\nx\n")
+    after = readme.render((ROOT / "README.md").read_text(), root)
+    assert after == before and "scratch 99.9" not in after
+    # the CLI quotes what git holds: a file on disk that git does not hold is not read
+    assert readme.committed_root(tmp_path / "again") != ROOT
+    assert not (tmp_path / "again" / "results" / "default").exists()
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -63,8 +62,9 @@ def test_blocks_quote_glance_links_images_and_command(tmp_path):
     assert "[summary.csv](results/offline_throughput/summary.csv)" in res
     assert "![a.png](results/offline_throughput/a.png) ![b.png](results/offline_throughput/b.png)" in res
     assert "Regenerate: `python -m harness +exp=offline_throughput n=2`" in res
-    assert "### `newexp` — A new sweep of things." in res
-    assert res.index("offline_throughput") < res.index("newexp")          # listed sections first
+    assert "### `newexp`" not in res and "**At a glance:** new." not in res      # not a committed experiment
+    assert res.endswith("No summary committed yet (a run of each is pending; its summary appears here when it lands): "
+                        "`newexp`.")
     assert out.startswith("top\n") and out.endswith("\nend\n") and "old" not in out
     assert readme.render(out, root) == out
 
@@ -73,12 +73,16 @@ def test_experiments_without_a_committed_run_are_named(tmp_path):
     root = _tree(tmp_path)
     for name in ("ruler", "ruler_paper", "quickstart"):
         (root / "conf" / "exp" / f"{name}.yaml").write_text("# @package _global_\n# A thing.\nexp: {}\n")
+    (root / "conf" / "exp" / "newexp.yaml").unlink()
     res = readme.results_block(root)
     assert res.endswith("No summary committed yet (a run of each is pending; its summary appears here when it lands): "
                         "`ruler`.")
     (root / "results" / "ruler").mkdir()
-    (root / "results" / "ruler" / "summary.md").write_text("# ruler\n\n**At a glance:** ok.\n")
-    assert "No summary committed yet" not in readme.results_block(root)
+    (root / "results" / "ruler" / "summary.md").write_text("# ruler\n\n**At a glance:** ok.\n\nCost: 3 min on this "
+                                                           "machine.\n\nMachine class: x86_64 CPU, 2 cores.\n")
+    res = readme.results_block(root)
+    assert "No summary committed yet" not in res
+    assert "Cost: 3 min on this machine. Machine class: x86_64 CPU, 2 cores." in res     # figures quoted, not restated
 
 
 def test_missing_marker_names_the_fix(tmp_path):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy import AccuracyExperiment, ratio
 from harness.experiments.accuracy.data import AccuracyData, same_budget
 from harness.experiments.accuracy.params import AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
@@ -61,8 +61,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                         f"exp.systems or set exp.params.reference")
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
     use = data.usable(reference)
-    at = (f" at a budget of {p.budget} tokens" if p.budget is not None else
-          f" at budgets of {', '.join(str(b) for b in p.budgets)} tokens (`system@budget`)" if p.budgets else "")
+    at = ratio.phrase(p.compression_ratio, p.budget, p.budgets)
     summary = run.summary(envs=cell_envs(metrics))
     n_ref = sum(data.n(reference, u) for u in use)
     groups = same_budget(data.systems) if p.budgets else None
@@ -85,7 +84,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
         summary.section("Policy statistics").table(
             ["system", *[POLICY_STATS[k] for k in shown]],
             [[s, *[stats.get(s, {}).get(k) for k in shown]] for s in data.systems if s in stats], 3)
-        summary.csv([{"system": s, "task": "POLICY_STATS", **v} for s, v in stats.items()])
+        summary.csv([{"system": s, **v} for s, v in stats.items()], "policy_stats")
     summary.text("Macro retention = mean over task units of each unit's retention (FlexiCache's average); ratio of "
                  "means = mean score ÷ mean reference score (CAKE's). Same samples, prompts and greedy decoding for "
                  "every system; engine systems decode batch-invariantly.")

@@ -43,11 +43,9 @@ class BudgetSweep(AccuracyExperiment[Params]):
     def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
         if not run.params.budgets:
             raise UserError("budget_sweep needs exp.params.budgets, a list of token budgets (e.g. [128,512,1024])")
-        cells, labels = super().grid(run)
-        if run.params.reference not in labels:
-            raise UserError(f"reference {run.params.reference!r} is not in the grid: "
-                            "add it to exp.systems or set exp.params.reference")
-        return cells, labels
+        if run.params.reference is None:
+            raise UserError("budget_sweep needs exp.params.reference, the system every curve is compared with")
+        return super().grid(run)
 
     def label_of(self, stored: StoredCell) -> str:
         return budget_label(stored.system, [1])
@@ -109,17 +107,20 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
         summary.text("Not run, the policy cannot run at that budget: " + "; ".join(left_out) + ".")
     series = {pol: [(b, score[label].value) for b, label in at[pol].items()] for pol in policies}
     errors = {pol: [(b, score[label].low, score[label].high) for b, label in at[pol].items()] for pol in policies}
+    missing = ("not run (the policy cannot run at that budget): " + "; ".join(x.split(" (")[0] for x in left_out)
+               if left_out else None)
     panels = [dict(series=series, errors=errors, band=(reference, ref.value, ref.low, ref.high), logx=True,
-                   ylabel="mean score (0–100, 95 % CI)", title="Task score vs budget")]
+                   dodge=True, footnote=missing, ylabel="mean score (0–100, 95 % CI)", title="Task score vs budget")]
     if data.has("fid_top1"):
         panels.append(dict(series={pol: [(b, top1[label].value) for b, label in at[pol].items()] for pol in policies},
                            errors={pol: [(b, top1[label].low, top1[label].high) for b, label in at[pol].items()]
-                                   for pol in policies}, logx=True, hline=1.0,
+                                   for pol in policies}, logx=True, hline=1.0, dodge=True,
                            ylabel=f"top-1 agreement with {reference} (95 % CI)",
                            title="Teacher-forced fidelity vs budget"))
+    n = f"n = {ref.n} samples per point"
     summary.image("png_budget", plots.line_panels(
-        out_dir / "score_vs_budget.png", panels, "KV budget (tokens per layer and KV head, log scale)",
-        f"{cfg.exp.name}: n = {ref.n} samples per point"), "score and fidelity vs budget")
+        out_dir / "score_vs_budget.png", panels, "KV budget (tokens per layer and KV head, log scale; points nudged "
+        "apart)", f"{cfg.exp.name}: {n}", note=summary.figure_note(n)), "score and fidelity vs budget")
     summary.section("Score, retention and fidelity per policy and budget").table(
         ["policy", *[f"budget {b}" for b in budgets]],
         [[pol, *[f"{score[at[pol][b]].fmt(1, with_n=False)} · "
@@ -129,11 +130,11 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "
                  "KL(reference ‖ policy) [CI].")
     csv = csv_estimate
-    summary.csv([{"system": pol, "budget": b, "task": "MEAN", **csv(score[label], "score"),
+    summary.csv([{"system": pol, "budget": b, **csv(score[label], "score"),
                   **csv(data.macro_retention(label, reference, units), "retention"),
                   **csv(top1[label], "fid_top1"), **csv(kl[label], "fid_kl")}
                  for pol in policies for b, label in at[pol].items()]
-                + [{"system": reference, "budget": None, "task": "MEAN", **csv(ref, "score")}])
+                + [{"system": reference, "budget": None, **csv(ref, "score")}], "budget_curve")
     # policies are compared at equal budget: a pair across budgets says nothing about either policy
     standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=at_one_budget)
     summary.took(cells_seconds(metrics),

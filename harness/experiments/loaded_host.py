@@ -137,7 +137,7 @@ def write_summary(run: Run[Params], rows: list[dict]) -> dict[str, str]:
                  "read from /proc.")
     summary.csv([{k: r.get(k) for k in ("system", "threads", "background", "total_tok_s", "output_tok_s",
                                         "wall_s", "cores_busy", "cpu_s", "busy_threads", "cpus_allowed",
-                                        "total_tok_s_runs")} for r in rows])
+                                        "total_tok_s_runs")} for r in rows], "throughput")
     summary.took(sum(r.get("wall_s", 0) * len(r.get("total_tok_s_runs") or [0]) for r in rows),
                  "timed generate() calls")
     return summary.write(out_dir)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy import AccuracyExperiment, ratio
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.params import AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
@@ -34,6 +34,14 @@ def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[i
                                             dict[tuple[int, float], int]]:
     """(lengths, depths, mean score per (length, depth), samples per cell) from NeedleBench rows; an M-RT sample
     counts at the depth of each of its needles with that needle's hit."""
+    values = cell_scores(rows)
+    grid = {k: sum(v) / len(v) for k, v in values.items()}
+    counts = {k: len(v) for k, v in values.items()}
+    return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
+
+
+def cell_scores(rows: list[dict]) -> dict[tuple[int, float], list[float]]:
+    """The scores behind each (length, depth) cell (see length_depth)."""
     values: dict[tuple[int, float], list[float]] = {}
     for row in rows:
         meta = row["meta"]
@@ -43,9 +51,12 @@ def length_depth(rows: list[dict]) -> tuple[list[int], list[float], dict[tuple[i
                 values.setdefault(key, []).append(row[f"hit_depth{_fmt_depth(needle['depth'])}"])
         else:
             values.setdefault((int(meta["length"]), float(meta["depth"])), []).append(row["score"])
-    grid = {k: sum(v) / len(v) for k, v in values.items()}
-    counts = {k: len(v) for k, v in values.items()}
-    return sorted({k[0] for k in grid}), sorted({k[1] for k in grid}), grid, counts
+    return values
+
+
+def n_phrase(counts: list[int]) -> str:
+    """`n = 5` when every cell has 5 samples, `n = 4–6` otherwise."""
+    return f"n = {min(counts)}" if min(counts) == max(counts) else f"n = {min(counts)}–{max(counts)}"
 
 
 def _fmt_depth(d: float) -> str:
@@ -81,7 +92,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
     elif len(data.systems) > 1:
         left_out = [LABELS[m] for m in modes if units[m] not in use]
         bullets.append(f"macro retention over {', '.join(LABELS[m] for m in modes if units[m] in use)} vs "
-                       f"`{reference}`" + (f" at a budget of {budget} tokens" if budget else "")
+                       f"`{reference}`" + ratio.phrase(p.compression_ratio, budget, None)
                        + (f" ({', '.join(left_out)} left out: `{reference}` scores less than "
                           f"{data.min_reference:g} above chance there, see †)" if left_out else "")
                        + f": {data.ranking(reference)}")
@@ -98,8 +109,8 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                  "needle, M-RS exact match of the boxed answer); v2 overall is their mean. v1 overall = 0.4 S-RT + "
                  "0.3 M-RT + 0.3 M-RS under v1's scoring (S-RT Levenshtein partial credit when the keyword is "
                  "missed, M-RS the share of the answer's words). Blank unless all three modes ran.")
-    summary.csv([{"system": s, "task": "OVERALL", **csv_estimate(v2[s], "v2_overall"),
-                  **csv_estimate(v1[s], "v1_overall")} for s in data.systems])
+    summary.csv([{"system": s, **csv_estimate(v2[s], "v2_overall"), **csv_estimate(v1[s], "v1_overall")}
+                 for s in data.systems], "overall")
     standard_sections(summary, data, reference, out_dir)
     for mode in modes:
         panels = []
@@ -109,19 +120,26 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                 continue
             lengths, depths, grid, counts = length_depth(rows)
             values = [[grid.get((L, d), math.nan) for d in depths] for L in lengths]
-            panels.append((s, values, lengths, [_fmt_depth(d) for d in depths]))
-            summary.section(f"{s} × {LABELS[mode]}: score by context length (tokens) × needle depth (%), n per cell "
-                            f"{min(counts.values())}–{max(counts.values())}")
+            scores = cell_scores(rows)
+            cis = {k: unc.mean(v) for k, v in scores.items()}
+            notes = [[f"[{cis[(L, d)].low:.0f}, {cis[(L, d)].high:.0f}]" if (L, d) in cis else "" for d in depths]
+                     for L in lengths]
+            panels.append((s, values, [plots.tick_label(L) for L in lengths], [_fmt_depth(d) for d in depths],
+                           notes))
+            summary.section(f"{s} × {LABELS[mode]}: score by context length (tokens) × needle depth (%), "
+                            f"{n_phrase(list(counts.values()))} per cell")
             summary.table(["length \\ depth %", *[_fmt_depth(d) for d in depths]],
                           [[L, *row] for L, row in zip(lengths, values)], 0)
             summary.csv([{"system": s, "task": units[mode], "mode": LABELS[mode], "length": L, "depth": d,
-                          "score": grid.get((L, d)), "n": counts.get((L, d))} for L in lengths for d in depths])
+                          "score": grid.get((L, d)), "n": counts.get((L, d))} for L in lengths for d in depths],
+                        "length_depth")
         if panels:
+            n = f"{n_phrase(list(counts.values()))} samples per cell"
             summary.image(f"png_{mode}", plots.heatmap_grid(
                 out_dir / f"heatmap_{mode}.png", panels, xlabel="needle depth (%)",
                 ylabel="context length (tokens)", colorbar="score (0–100)",
-                title=f"NeedleBench {LABELS[mode]} by length × depth (n per cell "
-                      f"{min(counts.values())}–{max(counts.values())})"), f"heatmap {mode}")
+                title=f"NeedleBench {LABELS[mode]} by length × depth ({n}; mean and 95 % CI per cell)",
+                note=summary.figure_note(n)), f"heatmap {mode}")
     summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

@@ -94,7 +94,7 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
     summary.csv([{k: r.get(k) for k in ("system", "input_len", "output_len", "num_requests", "total_tok_s",
                                         "output_tok_s", "req_s", "wall_s", "device_kv_peak_bytes",
                                         "device_kv_peak_bytes_per_request", "mode", "execution", "cores_busy", "cpu_s",
-                                        "busy_threads", "cpus_allowed")} for r in results])
+                                        "busy_threads", "cpus_allowed")} for r in results], "throughput")
     systems = list(dict.fromkeys(r["system"] for r in results))
     out_lens = sorted({r["output_len"] for r in results})
     at = {(r["system"], r["output_len"]): r for r in results}
@@ -104,15 +104,17 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
          for o in out_lens},
         xlabel="system (cores busy per bar)", ylabel="total tokens/s (prompt + output)", colour_by="group",
         title=f"Offline throughput: {p.num_requests} requests × ({p.input_len} in + out) each, same cores and KV "
-              f"capacity; {machine_class(cell_envs(results)[0] if results else None)}",
+              f"capacity; {machine_class(next(iter(cell_envs(results)), None))}",
         notes={f"output {o}": [f"{at[(s, o)].get('cores_busy') or 0:.2f} cores" if (s, o) in at else ""
-                               for s in systems] for o in out_lens}), "throughput per system")
+                               for s in systems] for o in out_lens},
+        note=summary.figure_note(f"n = {p.num_requests} requests per bar")), "throughput per system")
     if len(out_lens) > 1:
         summary.image("png", plots.line_plot(
             out_dir / "throughput_vs_output_len.png",
             {s: [(r["output_len"], r["output_tok_s"]) for r in results if r["system"] == s]
              for s in dict.fromkeys(r["system"] for r in results)},
-            "output length (tokens)", "output throughput (tokens/s)", "Offline throughput vs output length"))
+            "output length (tokens)", "output throughput (tokens/s)", "Offline throughput vs output length",
+            ymin=0.0, note=summary.figure_note(f"n = {p.num_requests} requests per point")))
     summary.took(sum(r.get("wall_s", 0) for r in results), "timed generate() calls")
     return summary.write(out_dir)
 

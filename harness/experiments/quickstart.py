@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy import AccuracyExperiment, ratio
 from harness.experiments.accuracy.cells import AccuracyItem
 from harness.experiments.accuracy.data import AccuracyData
 from harness.experiments.accuracy.params import AccuracyParams
@@ -45,6 +45,8 @@ def throughput_cells(run: Run[Params]) -> list[Cell]:
         system = system_config(name)
         if p.budget is not None:
             apply_budget(system, p.budget)
+        elif p.compression_ratio is not None and ratio.applies(system, p.compression_ratio):
+            apply_budget(system, ratio.budget_for(system, p.compression_ratio, tp.input_len))   # fixed prompt length
         system.engine.device_memory_gb = tp.device_memory_gb     # the engines' pools and vLLM's KV cache alike
         out.append(Cell(key=f"throughput__{system.name}__n{tp.num_requests}_in{tp.input_len}_out{tp.output_len}",
                         config=cell_config(cfg, system=system), label=f"{system.name} × offline throughput",
@@ -106,8 +108,10 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], acc: li
                            f"{t['tok_s_ratio']:.2f}× its output tokens/s")
     summary = run.summary(f"{cfg.exp.name}: KV policies at one shared budget on SmolLM2-135M-Instruct",
                           envs=cell_envs(acc))
-    summary.glance(f"at a shared budget of {budget} tokens per layer and KV head (`>`: the paired 95 % interval of "
-                   "the difference excludes 0; `≈`: indistinguishable at this n):", bullets)
+    at = ratio.phrase(p.compression_ratio, None, None) if p.compression_ratio is not None else \
+        f" at a shared budget of {budget} tokens per layer and KV head"
+    summary.glance(f"{at.strip()} (`>`: the paired 95 % interval of the difference excludes 0; `≈`: "
+                   "indistinguishable at this n):", bullets)
     summary.reasons(p.size_reason, p.budget_reason, budget)
     standard_sections(summary, data, reference, out_dir, plot_name="quickstart_retention.png")
     tp_table = [[t["system"], t["output_tok_s"], t["total_tok_s"], (t["device_kv_bytes_per_request"] or 0) / 2**20,
@@ -122,11 +126,11 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], acc: li
                  "cores and KV capacity (vLLM's kv_cache_memory_bytes = the engine's device pool); cores busy = CPU "
                  "seconds ÷ wall time of this process and its children, busy threads ran ≥ 10 % of the time, CPUs "
                  "= the cores they may use, all from /proc.")
-    summary.csv([{"part": "throughput", "system": t["system"], "output_tok_s": t["output_tok_s"],
+    summary.csv([{"system": t["system"], "output_tok_s": t["output_tok_s"],
                   "total_tok_s": t["total_tok_s"], "device_kv_bytes_per_request": t["device_kv_bytes_per_request"],
                   "tok_s_ratio": t["tok_s_ratio"], "kv_ratio": t["kv_ratio"], "mode": t["mode"],
                   "cores_busy": t.get("cores_busy"), "busy_threads": t.get("busy_threads"),
-                  "cpus_allowed": t.get("cpus_allowed")} for t in tput])
+                  "cpus_allowed": t.get("cpus_allowed")} for t in tput], "throughput")
     summary.took(cells_seconds(acc)
                  + sum(t.get("wall_s", 0) for t in tput), "accuracy cells + timed throughput")
     return summary.write(out_dir)

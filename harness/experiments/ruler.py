@@ -22,6 +22,7 @@ import numpy as np
 from harness.experiments.accuracy import AccuracyExperiment
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.ratio import phrase as budget_phrase
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
@@ -84,7 +85,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
     if others:
         bullets.append(f"macro retention vs `{reference}` over lengths"
-                       + (f" at a budget of {budget} tokens" if budget else "") + f": {by_length.ranking(reference)}")
+                       + budget_phrase(p.compression_ratio, budget, None) + f": {by_length.ranking(reference)}")
     if others and by_length.has("fid_top1"):
         bullets.append(f"teacher-forced top-1 agreement: {by_length.fidelity_ranking('fid_top1', reference)}")
     summary.glance(CHAIN_KEY, bullets)
@@ -101,8 +102,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
         summary.section(f"Retention per length: average ÷ `{reference}`'s on the same samples (95 % CI)").table(
             ["system", *[f"{L} †" if unit[L] in flagged else f"{L}" for L in lengths], "macro over lengths"],
             [[s, *[ratio[s][L].fmt(2, with_n=False) for L in lengths], ratio[s]["all"].fmt(2)] for s in others])
-    summary.csv([{"system": s, "task": "RULER average", "length": "all",
-                  **csv_estimate(avg[s]["all"], "score")} for s in data.systems])
+    summary.csv([{"system": s, **csv_estimate(avg[s]["all"], "score")} for s in data.systems], "ruler_average")
     panels = []
     for s in data.systems:
         values = [[data.score(s, f"{t}@{L}").value if data.n(s, f"{t}@{L}") else math.nan for L in lengths]
@@ -112,19 +112,25 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
             [[t, *row, float(np.nanmean(row)) if any(math.isfinite(v) for v in row) else math.nan]
              for t, row in zip(tasks, values)]
             + [["average", *[avg[s][L].value for L in lengths], avg[s]["all"].value]], 1)
-        panels.append((s, values, tasks, [str(L) for L in lengths]))
+        panels.append((s, values, tasks, [plots.tick_label(L) for L in lengths]))
         summary.csv([{"system": s, "task": t, "length": L, "score": v, "n": data.n(s, f"{t}@{L}")}
-                     for t, row in zip(tasks, values) for L, v in zip(lengths, row)])
+                     for t, row in zip(tasks, values) for L, v in zip(lengths, row)], "ruler_table")
+    per_cell = sorted({data.n(s, u) for s in data.systems for u in data.units if data.n(s, u)})
+    n_cell = f"n = {per_cell[0]}" if len(per_cell) == 1 else f"n = {per_cell[0]}–{per_cell[-1]}"
     summary.image("png_heatmap", plots.heatmap_grid(
         out_dir / "ruler_heatmap.png", panels, xlabel="length (tokens)", ylabel="RULER task",
-        colorbar="score (0–100)", title=f"RULER score per task × length (n per cell "
-                                        f"{min(data.n(reference, u) for u in data.units)})", ncols=3), "RULER heatmap")
+        colorbar="score (0–100)", title=f"RULER score per task × length ({n_cell} samples per cell)", ncols=3,
+        note=summary.figure_note(f"{n_cell} samples per task × length cell")), "RULER heatmap")
     if others:
+        n_len = sorted({ratio[s][L].n for s in others for L in lengths if ratio[s][L].n})
+        n_text = f"n = {n_len[0]}" if len(n_len) == 1 else f"n = {n_len[0]}–{n_len[-1]}" if n_len else "n = 0"
         summary.image("png_retention_length", plots.line_plot(
             out_dir / "retention_vs_length.png", {s: [(L, ratio[s][L].value) for L in lengths] for s in others},
-            "length (tokens)", f"RULER average ÷ {reference} (95 % CI)", "Retention vs context length",
+            "context length (tokens; points nudged apart)", f"RULER average ÷ {reference} (95 % CI)",
+            f"Retention vs context length ({n_text} paired samples per point)",
             errors={s: [(L, ratio[s][L].low, ratio[s][L].high) for L in lengths] for s in others}, logx=True,
-            hline=1.0), "retention vs length")
+            hline=1.0, dodge=True, note=summary.figure_note(f"{n_text} paired samples per point")),
+            "retention vs length")
     standard_sections(summary, by_length, reference, out_dir, per_unit=False)
     summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")

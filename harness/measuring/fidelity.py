@@ -23,6 +23,7 @@ KL = 0.0 and top-1 agreement 1.0, bit for bit. Files written in fp16 by earlier 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
@@ -110,9 +111,13 @@ def gold_ids(tokenizer: Any, answers: Sequence[str], max_tokens: int = 256) -> l
 
 
 def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Sequence, prompts: Sequence[list[int]],
-              completions: Sequence[Completion]) -> list[dict]:
-    """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed."""
+              completions: Sequence[Completion], budgets: Sequence[int | None] | None = None) -> list[dict]:
+    """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed, each at
+    its sample's KV budget when the generation had one (`budgets`, per sample)."""
     out: list[dict] = [{} for _ in samples]
+
+    def at_budget(reqs: list[GenerationRequest], index: Sequence[int]) -> list[GenerationRequest]:
+        return [dataclasses.replace(r, kv_budget=budgets[i]) for r, i in zip(reqs, index)] if budgets else reqs
     if plan.role == "reference":
         for i, (s, c) in enumerate(zip(samples, completions)):
             if c.logprobs is not None:
@@ -130,14 +135,15 @@ def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Seque
             else:
                 diverged.append((i, ref))
         if diverged:
-            reqs = forced_requests([(f"{samples[i].id}#fidelity", prompts[i], ref["ids"]) for i, ref in diverged],
-                                   plan.steps)
+            reqs = at_budget(forced_requests([(f"{samples[i].id}#fidelity", prompts[i], ref["ids"])
+                                              for i, ref in diverged], plan.steps), [i for i, _ in diverged])
             for (i, ref), c in zip(diverged, system.generate(reqs)):
                 out[i] = compare(ref["ids"], ref["logprobs"], c.argmax_ids, c.logprobs)
     if plan.gold:
         golds = [(i, g) for i, s in enumerate(samples) if (g := gold_ids(tokenizer, s.answers))]
         if golds:
-            reqs = forced_requests([(f"{samples[i].id}#gold", prompts[i], g) for i, g in golds], 0)
+            reqs = at_budget(forced_requests([(f"{samples[i].id}#gold", prompts[i], g) for i, g in golds], 0),
+                             [i for i, _ in golds])
             for (i, g), c in zip(golds, system.generate(reqs)):
                 out[i].update(gold_loglik=float(sum(c.token_logprobs)), gold_tokens=len(g))
     return out

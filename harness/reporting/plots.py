@@ -1,8 +1,11 @@
 """Shared matplotlib figures for experiment summaries: line plots, bars, heatmaps and heatmap grids, saved as PNG.
 
 Conventions every figure follows: one fixed colour per system across all figures (`colour`); a missing value is
-left out, never drawn as 0; error bars where a value has an interval; ratio plots draw their y = 1 line; colour
-scales span the data unless the caller fixes them; labels are laid out so none is clipped.
+left out, never drawn as 0; error bars where a value has an interval, nudged apart (`dodge`) so neighbours do not hide
+each other; ratio plots draw their y = 1 line; legends sit outside the axes, so no legend covers a line; log axes
+are ticked at the data's own values in plain numbers (1k, 2k; 32, 128), never 2⁶ or 6×10¹; colour scales span the
+data unless the caller fixes them; `note` (every summary passes its n, budget and machine class:
+Summary.figure_note) is printed under the figure; labels are laid out so none is clipped.
 """
 from __future__ import annotations
 
@@ -31,6 +34,35 @@ def colour(label: str) -> str:
     return _PALETTE[int(hashlib.sha1(f"{SALT}:{base}".encode()).hexdigest(), 16) % len(_PALETTE)]
 
 
+def _rgb(hex_colour: str) -> tuple[int, int, int]:
+    h = hex_colour.lstrip("#")
+    return int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16)
+
+
+def _distance(a: str, b: str) -> float:
+    return math.dist(_rgb(a), _rgb(b))
+
+
+NEAR = 120.0        # RGB distance under which two colours read as one on a small figure (two greens, two blues)
+
+
+def figure_colours(labels: Sequence[str]) -> dict[str, str]:
+    """Each label's colour in one figure: its system's fixed colour (`system@budget` labels share it), unless that
+    reads as the colour of another system drawn before it (the palette has near neighbours); then the palette
+    colour farthest from those in use."""
+    by_system: dict[str, str] = {}
+    for label in labels:
+        system = str(label).split("@")[0].split(" ")[0]
+        if system in by_system:
+            continue
+        mine = colour(system)
+        used = list(dict.fromkeys(by_system.values()))
+        if used and min(_distance(mine, c) for c in used) < NEAR:
+            mine = max(_PALETTE, key=lambda c: min(_distance(c, u) for u in used))
+        by_system[system] = mine
+    return {label: by_system[str(label).split("@")[0].split(" ")[0]] for label in labels}
+
+
 def _pyplot() -> Any:
     import matplotlib
     matplotlib.use("Agg")        # headless: summaries are written on machines without a display
@@ -38,7 +70,10 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> str:
+def _save(fig: Any, path: Path, note: str | None = None) -> str:
+    if note:                                   # under everything drawn; bbox "tight" grows the canvas to hold it
+        lowest = fig.get_tightbbox(fig.canvas.get_renderer()).y0 / fig.get_figheight()
+        fig.text(0.5, lowest - 0.01, note, ha="center", va="top", fontsize=7, wrap=True, color="#333333")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp.png")  # written whole, then renamed: readers never see half a PNG
@@ -52,42 +87,64 @@ def _finite(v: object) -> bool:
     return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
 
 
-def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, **kwargs: Any) -> str:
-    """One line per label (markers at the points, error bars from `errors`); `dashed` adds reference lines (e.g.
-    analytic bounds) in the colour of the solid series of the same label, drawn under it with a wider dash so
-    both stay visible; `band` = (label, value, low, high) draws a horizontal line with its shaded interval (a
-    reference system's score); `hline` a thin line (y = 1 on ratio plots)."""
+def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, note: str | None = None,
+              **kwargs: Any) -> str:
+    """One line per label (markers at the points, error bars from `errors`, nudged apart on x with `dodge`);
+    `dashed` adds reference lines (e.g. analytic bounds) in the colour of the solid series of the same label, with
+    black × markers at their points so they stay visible where they coincide with the measured line; `band` =
+    (label, value, low, high) draws a horizontal line with its shaded interval (a reference system's score);
+    `hline` a thin line (y = 1 on ratio plots); `ymin` pins the y axis's bottom (0 for times and rates);
+    `footnote` is printed in the axes' lower corner (e.g. which systems are missing where)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     _lines(ax, series, xlabel, ylabel, title, **kwargs)
-    return _save(fig, path)
+    return _save(fig, path, note)
 
 
-def line_panels(path: Path, panels: Sequence[dict], xlabel: str, title: str) -> str:
+def line_panels(path: Path, panels: Sequence[dict], xlabel: str, title: str, note: str | None = None) -> str:
     """Side-by-side line plots sharing x (each panel: series, ylabel, title and line_plot's keyword options)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.6 * len(panels), 4.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         panel = dict(panel)
-        _lines(ax, panel.pop("series"), xlabel, panel.pop("ylabel"), panel.pop("title"), **panel)
+        _lines(ax, panel.pop("series"), xlabel, panel.pop("ylabel"), panel.pop("title"), legend_below=True, **panel)
     fig.suptitle(title)
-    return _save(fig, path)
+    return _save(fig, path, note)
+
+
+def tick_label(x: float) -> str:
+    """A tick in plain numbers: 1024 -> 1k, 2048 -> 2k, 4000 -> 4k, 32 -> 32, 0.5 -> 0.5."""
+    for unit in (1024, 1000):
+        if x >= unit and x % unit == 0:
+            return f"{x / unit:g}k"
+    return f"{x:g}"
+
+
+def _shift(x: float, i: int, n: int, logx: bool, span: float) -> float:
+    """Series i of n nudged sideways around x, so error bars at one x stay apart (log axes: a factor)."""
+    offset = (i - (n - 1) / 2) * 0.035
+    return x * (2 ** offset) if logx else x + offset * span
 
 
 def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
-           dashed: Series | None = None, dashed_label: str = "analytic (dashed)", logx: bool = False,
+           dashed: Series | None = None, dashed_label: str = "analytic count (×, dashed)", logx: bool = False,
            logy: bool = False, errors: Errors | None = None, band: tuple[str, float, float, float] | None = None,
-           hline: float | None = None, colours: Mapping[str, str] | None = None) -> None:
+           hline: float | None = None, colours: Mapping[str, str] | None = None, dodge: bool = False,
+           ymin: float | None = None, footnote: str | None = None, legend_below: bool = False) -> None:
+    own = figure_colours([str(label) for label in series])
+
     def pick(label: str) -> str:
-        return (colours or {}).get(label) or colour(label)
+        return (colours or {}).get(label) or own.get(label) or colour(label)
 
     for label, pts in (dashed or {}).items():
         pts = sorted((x, y) for x, y in pts if _finite(y))
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=(0, (6, 3)), linewidth=2.2, alpha=0.45,
                     color=pick(label), zorder=1)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="none", marker="x", markersize=6,
+                    color="black", zorder=4)
     if dashed:
-        ax.plot([], [], linestyle=(0, (6, 3)), linewidth=2.2, alpha=0.45, color="grey", label=dashed_label)
+        ax.plot([], [], linestyle=(0, (6, 3)), marker="x", linewidth=2.2, alpha=0.6, color="grey", label=dashed_label)
     if band is not None and _finite(band[1]):
         name, value, low, high = band
         ax.axhline(value, color=pick(name), linewidth=1.2, label=f"{name} (95 % CI shaded)", zorder=2)
@@ -95,30 +152,65 @@ def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
             ax.axhspan(low, high, color=pick(name), alpha=0.15, zorder=0)
     if hline is not None:
         ax.axhline(hline, color="black", linewidth=0.8, linestyle=":", zorder=1)
+    drawn = [label for label, pts in series.items() if any(_finite(y) for _, y in pts)]
+    all_x = sorted({float(x) for pts in series.values() for x, y in pts if _finite(y)})
+    span = (all_x[-1] - all_x[0]) if len(all_x) > 1 else 1.0
     for i, (label, pts) in enumerate(series.items()):
         pts = sorted((x, y) for x, y in pts if _finite(y))
         if not pts:
             continue
+        k = drawn.index(label)
+
+        def at(x: float) -> float:
+            return _shift(x, k, len(drawn), logx, span) if dodge else x   # noqa: B023 - used at once
         marker = "osD^vP*X"[i % 8]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, markersize=4.5, label=label,
+        ax.plot([at(p[0]) for p in pts], [p[1] for p in pts], marker=marker, markersize=4.5, label=label,
                 color=pick(label), zorder=3)
         bars = [(x, lo, hi) for x, lo, hi in (errors or {}).get(label, ()) if _finite(lo) and _finite(hi)]
         if bars:
             ys = dict(pts)
             xs = [x for x, _, _ in bars if x in ys]
-            ax.errorbar(xs, [ys[x] for x in xs], yerr=[[max(0.0, ys[x] - lo) for x, lo, _ in bars if x in ys],
-                                                       [max(0.0, hi - ys[x]) for x, _, hi in bars if x in ys]],
+            ax.errorbar([at(x) for x in xs], [ys[x] for x in xs],
+                        yerr=[[max(0.0, ys[x] - lo) for x, lo, _ in bars if x in ys],
+                              [max(0.0, hi - ys[x]) for x, _, hi in bars if x in ys]],
                         fmt="none", ecolor=pick(label), elinewidth=0.9, capsize=2.5, alpha=0.8, zorder=3)
     if logx:
         ax.set_xscale("log", base=2)
     if logy:
         ax.set_yscale("log")
+        _plain_ticks(ax.yaxis)
+    if logx and all_x:                # ticks at the data's own x values, in plain numbers
+        ax.set_xticks(all_x, [tick_label(x) for x in all_x])
+        ax.xaxis.set_minor_locator(_pyplot().NullLocator())
+    if ymin is not None:
+        ax.set_ylim(bottom=ymin)
+    if footnote:
+        ax.text(0.01, 0.01, footnote, transform=ax.transAxes, fontsize=6.5, va="bottom", ha="left", color="#444444",
+                wrap=True)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=2, loc="best")
+    _legend_outside(ax, below=legend_below)
+
+
+def _plain_ticks(axis: Any) -> None:
+    """Plain numbers on a log axis at 1, 2 and 5 of each decade (60, not 6×10¹)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}" if v > 0 else ""))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def _legend_outside(ax: Any, below: bool = False, **kwargs: Any) -> None:
+    """The legend off the axes (right of them; below them in side-by-side panels, where the right is the next
+    panel): inside, it would sit on a line (the y = 1 reference, a band)."""
+    if not (ax.get_legend_handles_labels()[0] or kwargs.get("handles")):
+        return
+    if below:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, borderaxespad=0.0, **kwargs)
+    else:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kwargs)
 
 
 def _draw_heatmap(ax: Any, values: Sequence[Sequence[float]], row_labels: Sequence, col_labels: Sequence,
@@ -150,7 +242,7 @@ def _draw_heatmap(ax: Any, values: Sequence[Sequence[float]], row_labels: Sequen
 def heatmap(path: Path, values: Sequence[Sequence[float]], row_labels: Sequence, col_labels: Sequence, *,
             xlabel: str, ylabel: str, title: str, colorbar: str, vmin: float | None = None,
             vmax: float | None = None, cmap: str = "RdYlGn", digits: int = 0,
-            notes: Sequence[Sequence[str]] | None = None) -> str:
+            notes: Sequence[Sequence[str]] | None = None, note: str | None = None) -> str:
     """One annotated heatmap (rows top to bottom in the given order); NaN cells stay blank; `notes` adds a second
     line per cell (e.g. its n or interval)."""
     plt = _pyplot()
@@ -160,13 +252,14 @@ def heatmap(path: Path, values: Sequence[Sequence[float]], row_labels: Sequence,
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label=colorbar)
-    return _save(fig, path)
+    return _save(fig, path, note)
 
 
-def heatmap_grid(path: Path, panels: Sequence[tuple[str, Sequence[Sequence[float]], Sequence, Sequence]], *,
-                 xlabel: str, ylabel: str, title: str, colorbar: str, vmin: float = 0.0, vmax: float = 100.0,
-                 cmap: str = "RdYlGn", ncols: int = 3, digits: int = 0) -> str:
-    """Several heatmaps on one shared colour scale: panels are (panel title, values, row labels, column labels)."""
+def heatmap_grid(path: Path, panels: Sequence[tuple], *, xlabel: str, ylabel: str, title: str, colorbar: str,
+                 vmin: float = 0.0, vmax: float = 100.0, cmap: str = "RdYlGn", ncols: int = 3, digits: int = 0,
+                 note: str | None = None) -> str:
+    """Several heatmaps on one shared colour scale: panels are (panel title, values, row labels, column labels) with
+    an optional fifth entry, a second line per cell (its interval or n)."""
     plt = _pyplot()
     n = max(1, len(panels))
     ncols = min(ncols, n)
@@ -174,8 +267,8 @@ def heatmap_grid(path: Path, panels: Sequence[tuple[str, Sequence[Sequence[float
     fig, axes = plt.subplots(nrows, ncols, figsize=(3.8 * ncols + 1, 3.0 * nrows + 0.6), squeeze=False,
                              layout="constrained")     # keeps panel labels and the shared colourbar apart
     image = None
-    for ax, (name, values, rows, cols) in zip(axes.flat, panels):
-        image = _draw_heatmap(ax, values, rows, cols, vmin, vmax, cmap, digits)
+    for ax, (name, values, rows, cols, *cell_notes) in zip(axes.flat, panels):
+        image = _draw_heatmap(ax, values, rows, cols, vmin, vmax, cmap, digits, cell_notes[0] if cell_notes else None)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
@@ -184,27 +277,66 @@ def heatmap_grid(path: Path, panels: Sequence[tuple[str, Sequence[Sequence[float
     fig.suptitle(title)
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), label=colorbar, shrink=0.8)
-    return _save(fig, path)
+    return _save(fig, path, note)
 
 
 def bar_plot(path: Path, groups: Sequence[str], series: Mapping[str, Sequence[float]], *, xlabel: str,
              ylabel: str, title: str, reference: float | None = None, reference_label: str = "reference",
              errors: Mapping[str, Sequence[tuple[float, float]]] | None = None, colour_by: str = "series",
-             notes: Mapping[str, Sequence[str]] | None = None) -> str:
+             notes: Mapping[str, Sequence[str]] | None = None, note: str | None = None) -> str:
     """Grouped bars: one group per entry of `groups`, one bar per series label, error bars from `errors` (per series,
     (low, high) per group); missing values leave a gap. `colour_by="group"` colours bars by their group label (use
-    when the groups are systems); `reference` draws a labelled horizontal line; `notes` prints text (e.g. n) over
-    each bar."""
+    when the groups are systems; series are then told apart by hatching, and the legend shows the hatches, not a
+    system's colour); `reference` draws a labelled horizontal line; `notes` prints text (e.g. n) over each bar."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(groups) * max(1, len(series)) / 2 + 3.5), 4.8))
+    _bars(ax, groups, series, errors=errors, colour_by=colour_by, notes=notes, reference=reference,
+          reference_label=reference_label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path, note)
+
+
+def bar_panels(path: Path, groups: Sequence[str], panels: Sequence[dict], *, xlabel: str, title: str,
+               colour_by: str = "group", note: str | None = None) -> str:
+    """Side-by-side bar charts over the same groups, each on its own y axis (quantities in different units: a
+    fraction and nats never share one); each panel: series, ylabel, title and bar_plot's errors / notes /
+    reference / reference_label."""
+    plt = _pyplot()
+    width = max(4.5, 0.5 * len(groups) + 2.5)
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        panel = dict(panel)
+        ylabel, sub_title = panel.pop("ylabel"), panel.pop("title")
+        _bars(ax, groups, panel.pop("series"), colour_by=colour_by, legend_below=True, **panel)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(sub_title, fontsize=10)
+    fig.suptitle(title)
+    return _save(fig, path, note)
+
+
+def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]], *,
+          errors: Mapping[str, Sequence[tuple[float, float]]] | None = None, colour_by: str = "series",
+          notes: Mapping[str, Sequence[str]] | None = None, reference: float | None = None,
+          reference_label: str = "reference", legend_below: bool = False) -> None:
+    from matplotlib.patches import Patch
+
     width = 0.8 / max(1, len(series))
     hatches = ["", "//", "..", "xx", "\\\\", "oo"]
+    handles = []
+    own = figure_colours(list(groups) if colour_by == "group" else list(series))
     for i, (label, vals) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         keep = [j for j, v in enumerate(vals) if _finite(v)]
-        colours = [colour(groups[j]) if colour_by == "group" else colour(label) for j in keep]
+        by_group = colour_by == "group"
+        colours = [own[groups[j]] if by_group else own[label] for j in keep]
+        hatch = hatches[i % len(hatches)] if by_group else ""
         ax.bar([xs[j] for j in keep], [vals[j] for j in keep], width=width, color=colours, edgecolor="white",
-               hatch=hatches[i % len(hatches)] if colour_by == "group" else "", label=label)
+               hatch=hatch)
+        handles.append(Patch(facecolor="#dddddd" if by_group else own[label], edgecolor="#555555", hatch=hatch,
+                             label=label))
         errs = (errors or {}).get(label)
         if errs:
             ok = [j for j in keep if _finite(errs[j][0]) and _finite(errs[j][1])]
@@ -213,17 +345,18 @@ def bar_plot(path: Path, groups: Sequence[str], series: Mapping[str, Sequence[fl
                               [max(0.0, errs[j][1] - vals[j]) for j in ok]],
                         fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
         for j in keep:
-            note = (notes or {}).get(label, [None] * len(groups))[j]
-            if note:
-                ax.annotate(note, (xs[j], 0), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=5.5,
+            text = (notes or {}).get(label, [None] * len(groups))[j]
+            if text:
+                ax.annotate(text, (xs[j], 0), xytext=(0, 2), textcoords="offset points", ha="center", fontsize=5.5,
                             rotation=90, va="bottom")
     if reference is not None:
-        ax.axhline(reference, color="black", linewidth=0.8, linestyle=":", label=reference_label)
+        line = ax.axhline(reference, color="black", linewidth=0.8, linestyle=":", label=reference_label)
+        handles.append(line)
     ax.set_xticks(range(len(groups)), list(groups), rotation=30, ha="right", fontsize=7)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, ncol=2)
-    return _save(fig, path)
+    # one swatch per series only when the series are not the colours (by group: the hatch tells series apart)
+    shown = handles if len(series) > 1 or reference is not None else []
+    if len(series) == 1 and colour_by == "group":
+        shown = [h for h in shown if not isinstance(h, Patch)]
+    if shown:
+        _legend_outside(ax, below=legend_below, handles=shown)

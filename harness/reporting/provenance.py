@@ -14,9 +14,13 @@ def _overrides(command: str) -> list[str] | None:
 
 
 def regenerate_command(cfg: Any, envs: Sequence[dict] | None = None) -> str:
-    """One command that remakes every cell: the cells' commands without `results_dir=` (it only says where a copy
-    was written) and with their `exp.systems=` subsets merged, dropped when together they are the experiment's
-    systems; the first command when the cells' commands differ in anything else."""
+    """One command that remakes every cell: the sweep's command when every cell came from one multirun; else the
+    cells' commands without `results_dir=` (it only says where a copy was written) and with their `exp.systems=`
+    subsets merged, dropped when together they are the experiment's systems; the first command when the cells'
+    commands differ in anything else."""
+    sweeps = {e.get("sweep_command") for e in envs or [] if e}
+    if len(sweeps) == 1 and None not in sweeps:        # every cell came from one multirun: rerun the sweep
+        return str(next(iter(sweeps)))
     commands: list[str] = sorted({str(e["command_line"]) for e in envs or [] if e and e.get("command_line")})
     if not commands:
         return command_line(cfg)

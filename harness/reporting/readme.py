@@ -4,23 +4,31 @@
     python -m harness.reporting.readme --check    # exit 1 (and say which block) when README.md is out of date
 
 The README quotes the summaries instead of restating them by hand, so a rerun plus this command is the whole
-update, and tests/test_readme.py fails when a summary changed and the README did not follow.
+update, and tests/test_readme.py fails when a summary changed and the README did not follow. Only what git holds
+is quoted (committed or staged: `git add results/<exp>` first), and only the experiments SECTIONS lists: a local
+`make run`, a scratch folder (`results/default`) or a multirun's folder never reaches the README. Each section ends
+with the cost and machine class its summary records, so no figure in the README is restated by hand.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import re
+import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
+from harness.reporting.summary import glance_lines
 from harness.running.catalog import describe
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Experiments in reading order (score vs budget first: it is the headline accuracy figure), each with the line its
-# README heading carries; a results folder not listed here comes after them, described by the first comment line of
-# conf/exp/<name>.yaml.
-SECTIONS = {
+# The committed experiments, in reading order (score vs budget first: it is the headline accuracy figure), each with
+# the line its README heading carries (None: the first comment line of conf/exp/<name>.yaml). A results folder not
+# listed here never reaches the README: a committed run is added here in the commit that adds its summary.
+SECTIONS: dict[str, str | None] = {
     "budget_sweep": "score and fidelity vs token budget, one curve per policy (CAKE F5 style)",
     "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
     "ruler": "RULER's 11 synthetic tasks per context length, dense vs each policy",
@@ -34,31 +42,14 @@ SECTIONS = {
                       "(F1, T1, T7)",
     "cake_ablation": "CAKE allocation × indicator and τ sweep (CAKE T2, T3, F8, F13)",
     "duo_attention": "DuoAttention-style gate training that picks LServe's streaming heads",
+    "batch_invariance_cost": None,
+    "loaded_host": None,
+    "online_sweep_memory": None,
 }
 EXTRA_LINKS = {"profile.md": "where the engine's time goes"}
-RESULTS_INTRO = ("Every number below is from a real run on this project's 2-core CPU machine with "
-                 "SmolLM2-135M-Instruct; each summary records its command, git sha and hardware.")
-
-
-def _glance(lines: list[str]) -> list[str]:
-    """The summary's '**At a glance:**' paragraph and the bullet list that may follow it."""
-    start = next((i for i, line in enumerate(lines) if line.startswith("**At a glance:**")), None)
-    if start is None:
-        return []
-    out, i = [lines[start]], start + 1
-    while i < len(lines):
-        j = i
-        while j < len(lines) and not lines[j].strip():
-            j += 1
-        if j < len(lines) and lines[j].startswith("- "):
-            out += [""] * (j - i)
-            while j < len(lines) and lines[j].startswith("- "):
-                out.append(lines[j])
-                j += 1
-            i = j
-            continue
-        break
-    return out
+RESULTS_INTRO = ("Every number below is quoted from a committed `results/<exp>/summary.md` of a real run; each section "
+                 "closes with the cost and machine class its summary records, and the summary with its command, git "
+                 "sha and versions.")
 
 
 def _regenerate(lines: list[str], name: str) -> str:
@@ -70,8 +61,8 @@ def _regenerate(lines: list[str], name: str) -> str:
 
 
 def _describe(name: str, root: Path) -> str:
-    if name in SECTIONS:
-        return SECTIONS[name]
+    if SECTIONS.get(name):
+        return str(SECTIONS[name])
     conf = root / "conf" / "exp" / f"{name}.yaml"
     return (describe(conf) if conf.exists() else "") or name
 
@@ -79,22 +70,22 @@ def _describe(name: str, root: Path) -> str:
 def results_block(root: Path = ROOT) -> str:
     results = root / "results"
     names = [n for n in SECTIONS if (results / n / "summary.md").exists()]
-    names += sorted(d.name for d in results.iterdir()
-                    if (d / "summary.md").exists() and d.name not in SECTIONS and d.name != "quickstart")
     parts = [RESULTS_INTRO]
     for name in names:
         folder = results / name
         lines = (folder / "summary.md").read_text().splitlines()
-        links = [f"[{f}](results/{name}/{f})" for f in ("summary.md", "summary.csv") if (folder / f).exists()]
+        files = ["summary.md", *sorted(p.name for p in folder.glob("*.csv")), "results.json"]
+        links = [f"[{f}](results/{name}/{f})" for f in files if (folder / f).exists()]
         links += [f"[{text}](results/{name}/{f})" for f, text in EXTRA_LINKS.items() if (folder / f).exists()]
         text = "\n".join(lines)
         # in the summary's own order, so the figure it leads with (its headline) leads here too
         order = sorted(folder.glob("*.png"), key=lambda p: (text.find(f"({p.name})") % (len(text) + 1), p.name))
         pngs = " ".join(f"![{p.name}](results/{name}/{p.name})" for p in order)
-        parts += [f"### `{name}` — {_describe(name, root)}", "\n".join(_glance(lines)), " · ".join(links)]
+        parts += [f"### `{name}` — {_describe(name, root)}", "\n".join(glance_lines(lines)), " · ".join(links)]
         if pngs:
             parts.append(pngs)
         parts.append(f"Regenerate: `{_regenerate(lines, name)}`")
+        parts.append(" ".join(line for line in lines if line.startswith(("Cost:", "Machine class:"))))
     pending = sorted(c.stem for c in (root / "conf" / "exp").glob("*.yaml")
                      if not c.stem.endswith("_paper") and c.stem != "quickstart" and c.stem not in names)
     if pending:
@@ -118,8 +109,23 @@ def quickstart_block(root: Path = ROOT) -> str:
     sha = re.search(r"at git `([0-9a-f]+)", made)
     machine = next((line.removeprefix("Machine class: ").rstrip(".") for line in lines
                     if line.startswith("Machine class: ")), "SmolLM2-135M-Instruct")
+    cost = next((line.removeprefix("Cost: ").rstrip(".") for line in lines if line.startswith("Cost: ")), None)
     where = f"git `{sha.group(1)}`, " if sha else ""
-    return f"{text}\n\n({machine}; {where}`results/quickstart/summary.md`.)"
+    return f"{text}\n\n({machine}; {f'cost {cost}; ' if cost else ''}{where}`results/quickstart/summary.md`.)"
+
+
+def committed_root(into: Path, root: Path = ROOT) -> Path:
+    """results/ and conf/exp/ as git holds them (committed or staged) unpacked under `into`, so a local rerun (`make
+    run` rewrites results/quickstart) or a scratch folder never reaches the README; outside a git checkout, `root`."""
+    git = ["git", "-C", str(root)]
+    try:
+        tree = subprocess.run([*git, "write-tree"], capture_output=True, text=True, check=True).stdout.strip()
+        tar = subprocess.run([*git, "archive", tree, "results", "conf/exp"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return root
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(into, filter="data")
+    return into
 
 
 def render(readme: str, root: Path = ROOT) -> str:
@@ -137,10 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     path = ROOT / "README.md"
     old = path.read_text()
-    new = render(old)
+    with tempfile.TemporaryDirectory() as tmp:
+        new = render(old, committed_root(Path(tmp)))
     if args.check:
         if new != old:
-            print("README.md is out of date with results/*/summary.md: run `python -m harness.reporting.readme`")
+            print("README.md is out of date with the committed results/*/summary.md: run `python -m "
+                  "harness.reporting.readme`")
             return 1
         return 0
     if new != old:

@@ -1,8 +1,10 @@
-"""One writer for every experiment's summary.md / summary.csv: experiments hand it content, it owns the layout.
+"""One writer for every experiment's summary: summary.md, tidy CSVs and results.json; experiments hand it content.
 
-Layout: `# title`, the **At a glance:** paragraph, sections (heading, prose, tables, images), then the footer every
-result carries: the command that regenerates it, what it cost, and how it was made (git sha, code hash, dtype,
-machine class, versions). Files are written whole and renamed, so a reader never sees half a summary.
+Layout of summary.md: `# title`, the **At a glance:** paragraph, sections (heading, prose, tables, images), then the
+footer every result carries: the command that regenerates it, what it cost, and how it was made (git sha, code hash,
+dtype, machine class, versions). Tables for machines go to CSV files, one row type per file (`csv(rows, name)` ->
+`<name>.csv`), and all of them, with the config, budget, versions and machine class, to results.json
+(harness.reporting.results_file). Files are written whole and renamed, so a reader never sees half a summary.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.reporting import provenance, tables
+from harness.reporting import provenance, results_file, tables
 from harness.running.envinfo import command_line, machine_class, static_env
 from harness.running.store import atomic_write_text
 from systems.hardware import dtype_name
@@ -29,9 +31,11 @@ class Summary:
         self.title = title or cfg.exp.name
         self.glance_text: str | None = None
         self.parts: list[str] = []
-        self.csv_rows: list[dict] = []
+        self.tables: dict[str, list[dict]] = {}
+        self.records: list[dict] = []
         self.paths: dict[str, str] = {}
         self.cost: str | None = None
+        self.seconds: float | None = None
         self.notes: list[str] = []
 
     def glance(self, text: str, bullets: Sequence[str] = ()) -> Summary:
@@ -74,8 +78,31 @@ class Summary:
             self.parts += [f"![{alt or Path(path).stem}]({Path(path).name})", ""]
         return self
 
-    def csv(self, rows: Sequence[dict]) -> Summary:
-        self.csv_rows += list(rows)
+    def budget_text(self) -> str:
+        """The run's KV budget in words: kvpress's ratio, a shared budget, a sweep's budgets, or none."""
+        params = self.cfg.exp.get("params") or {} if self.cfg.get("exp") is not None else {}
+        if params.get("compression_ratio") is not None:
+            return f"kvpress compression_ratio {float(params['compression_ratio']):g} (budget per sample)"
+        if params.get("budget") is not None:
+            return f"budget {params['budget']} tokens per layer and KV head"
+        if params.get("budgets"):
+            return f"budgets {', '.join(str(b) for b in params['budgets'])} tokens per layer and KV head"
+        return "no shared KV budget (each system as configured)"
+
+    def figure_note(self, n: str) -> str:
+        """The line under every figure: its n (`n = 44 per system`), the budget and the machine class."""
+        env = self.envs[0] if self.envs else static_env()
+        return f"{n} · {self.budget_text()} · {machine_class(env)}"
+
+    def csv(self, rows: Sequence[dict], name: str = "summary") -> Summary:
+        """Rows of one kind for `<name>.csv` (and results.json's tables): one row type per file, so a reader never
+        filters rows by a marker column."""
+        self.tables.setdefault(name, []).extend(rows)
+        return self
+
+    def results(self, records: Sequence[dict]) -> Summary:
+        """results.json's per-unit records (accuracy kinds: harness.reporting.results_file.unit_records)."""
+        self.records += list(records)
         return self
 
     def note(self, text: str) -> Summary:
@@ -86,6 +113,7 @@ class Summary:
     def took(self, seconds: float | None, what: str = "") -> Summary:
         """State the run's cost (wall time of its cells, all sessions together)."""
         if seconds is not None and math.isfinite(seconds) and seconds > 0:
+            self.seconds = seconds
             hours = seconds / 3600
             self.cost = (f"{seconds / 60:.0f} min" if hours < 1 else f"{hours:.1f} h") + (f" ({what})" if what else "")
         return self
@@ -105,15 +133,50 @@ class Summary:
         notes = [line for text in self.notes for line in (text, "")]
         return "\n".join(head + self.parts + notes + self.footer())
 
+    def meta(self) -> dict[str, Any]:
+        """results.json's description of the run: experiment, config, budget, versions, machine, provenance."""
+        from omegaconf import OmegaConf
+
+        env = self.envs[0] if self.envs else static_env()
+        cfg = self.cfg
+        params = cfg.exp.get("params") or {} if cfg.get("exp") is not None else {}
+        config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                  for k in ("model", "exp", "seed") if cfg.get(k) is not None}
+        envs = self.envs or [env]
+        return {
+            "experiment": {"name": str(cfg.exp.name), "kind": str(cfg.exp.get("kind", "")), "title": self.title,
+                           "glance": self.glance_text.removeprefix("**At a glance:** ") if self.glance_text else None},
+            "config": config,
+            "budget": {"tokens": params.get("budget"), "budgets": list(params.get("budgets") or []) or None,
+                       "compression_ratio": params.get("compression_ratio")},
+            "versions": {"python": env.get("python"), "packages": dict(env.get("packages") or {})},
+            "machine": {"class": machine_class(env), "cpu": env.get("cpu"), "cpu_count": env.get("cpu_count"),
+                        "gpu": env.get("gpu"), "matrix_isa": env.get("matrix_isa"),
+                        "model_dtype": dtype_name(cfg.model.dtype) if cfg.get("model") is not None else None},
+            "provenance": {"regenerate": provenance.regenerate_command(cfg, self.envs),
+                           "commands": sorted({str(e["command_line"]) for e in envs if e.get("command_line")}),
+                           "git_shas": sorted({str(e.get("git_sha")) for e in envs}),
+                           "code_hashes": sorted({str(e.get("code_hash")) for e in envs}),
+                           "cost_seconds": self.seconds},
+        }
+
     def write(self, out_dir: Path) -> dict[str, str]:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        md, csv_path = out_dir / "summary.md", out_dir / "summary.csv"
+        md = out_dir / "summary.md"
         atomic_write_text(md, self.render())
         paths = {"md": str(md)}
-        if self.csv_rows:
-            atomic_write_text(csv_path, tables.to_csv(self.csv_rows))
-            paths["csv"] = str(csv_path)
+        written = {f"{name}.csv" for name, rows in self.tables.items() if rows}
+        for stale in out_dir.glob("*.csv"):           # a table this summary no longer has (or an older layout's)
+            if stale.name not in written:
+                stale.unlink()
+        for name, rows in self.tables.items():
+            if rows:
+                atomic_write_text(out_dir / f"{name}.csv", tables.to_csv(rows))
+                paths[f"csv_{name}"] = str(out_dir / f"{name}.csv")
+        doc = results_file.document(self.meta(), {n: r for n, r in self.tables.items() if r}, self.records)
+        atomic_write_text(out_dir / "results.json", results_file.dumps(doc))
+        paths["json"] = str(out_dir / "results.json")
         return {**paths, **self.paths}
 
 
@@ -122,8 +185,40 @@ def cell_envs(metrics: list[dict]) -> list[dict]:
     return [m["_env"] for m in metrics if isinstance(m, dict) and m.get("_env")]
 
 
+def glance_lines(lines: list[str]) -> list[str]:
+    """A summary's '**At a glance:**' paragraph and the bullet list that may follow it."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("**At a glance:**")), None)
+    if start is None:
+        return []
+    out, i = [lines[start]], start + 1
+    while i < len(lines):
+        j = i
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        if j < len(lines) and lines[j].startswith("- "):
+            out += [""] * (j - i)
+            while j < len(lines) and lines[j].startswith("- "):
+                out.append(lines[j])
+                j += 1
+            i = j
+            continue
+        break
+    return out
+
+
+def console_lines(paths: dict[str, str]) -> list[str]:
+    """What a run prints last: its title, where its tables and figures went, then the at-a-glance block, so the
+    lines a user reads first are the ones above the prompt (the tables are in the files)."""
+    md = Path(paths["md"])
+    lines = md.read_text().splitlines()
+    title = lines[0].removeprefix("# ") if lines else md.parent.name
+    names = [Path(p).name + ("/" if Path(p).is_dir() else "") for k, p in paths.items() if k != "md"]
+    glance = [line.replace("**", "") for line in glance_lines(lines)]
+    return [f"{title}: {md}" + (f" (with {', '.join(names)} in {md.parent})" if names else ""), "", *glance]
+
+
 def print_paths(paths: dict[str, str]) -> None:
-    """The summary on stdout (the tables a user runs the experiment for); the files written, in the log."""
-    print(Path(paths["md"]).read_text(), flush=True)
+    """The run's closing lines on stdout (console_lines); every file written, in the log."""
     for kind, path in paths.items():
-        log.info("wrote %s: %s", kind, path)
+        log.debug("wrote %s: %s", kind, path)
+    print("\n".join(console_lines(paths)), flush=True)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = {"exp": "experiments (+exp=NAME)", "system": "systems (system=NAME, exp.systems=[...])",
-          "task": "tasks (task=NAME, exp.tasks=[...])", "model": "models (model=NAME)"}
+          "task": "tasks (task=NAME, exp.tasks=[...])", "model": "models (model=NAME)",
+          "tracking": "experiment tracking (tracking=NAME, tracking.uri=...)"}
 
 
 def describe(path: Path) -> str:

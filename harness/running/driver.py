@@ -5,18 +5,27 @@ needs no model, then `drive`s the experiment's cells — complete ones are skipp
 marked `first` run before the others — with one progress display and ETA, the workspace (and the live system) closed
 whatever happens, and the summary built from the cells on disk at the end. `summarize` does only the last step (a
 summary rebuilt from disk, `python -m harness.report`).
+
+Every cell runs under an exclusive file lock (`<results>/<exp>/.locks/<key>.lock`, released by the OS if the process
+dies): two processes that need the same cell — the jobs of a sweep that all compare with one reference cell — run it
+once; the others wait, find it complete and reuse it. A job of a multirun writes no summary: the sweep summarizes
+each results folder once, after its last job (harness.running.sweep).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import importlib.metadata
 import importlib.util
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from harness.integrations.tracking import Tracker, tracker_for
 from harness.reporting.summary import print_paths
 from harness.running import params as params_lib
 from harness.running.config import (
@@ -92,15 +101,16 @@ def run(cfg: DictConfig) -> list[dict]:
         quiet_libraries(cfg.get("library_log_level", "error"))
         experiment, context = prepare(cfg)
         check_writable(context.out_dir)
-        return drive(experiment, context)
+        return drive(experiment, context, tracker_for(cfg))
     except USER_ERRORS as exc:
         if isinstance(exc, UserError):
             raise
         raise UserError(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
 
 
-def drive(experiment: Experiment[Any], run: Run[Any]) -> list[dict]:
-    """Every cell of the experiment (complete ones skipped, the rest resumed), then its summary from disk."""
+def drive(experiment: Experiment[Any], run: Run[Any], tracker: Tracker | None = None) -> list[dict]:
+    """Every cell of the experiment (complete ones skipped, the rest resumed), then its summary from disk; `tracker`
+    (tracking=mlflow) logs each cell that runs and the summary."""
     metrics: dict[str, dict] = {}
     try:
         cells = experiment.cells(run)
@@ -126,14 +136,47 @@ def drive(experiment: Experiment[Any], run: Run[Any]) -> list[dict]:
                 if cell.key in metrics:
                     run.progress.skip_cell(cell.label)
             for cell, store, done in sorted(pending, key=lambda p: not p[0].first):    # stable: plan order
-                metrics[cell.key] = run_one(experiment, run, cell, store, done)
+                with cell_lock(run.out_dir, cell.key):
+                    if experiment.is_complete(run, cell, store):      # another process ran it while this one waited
+                        run.progress.skip_cell(cell.label)
+                        run.advance(cell.units - done)
+                        metrics[cell.key] = store.metrics()
+                        continue
+                    metrics[cell.key] = run_one(experiment, run, cell, store, done)
+                if tracker is not None:
+                    tracker.log_cell(cell.key, store.root, metrics[cell.key])
         finally:
             run.progress.close()
             run.progress = None
     finally:
         run.workspace.close()
-    summarize(experiment, run, cells)
+    if not sweep_job():
+        summarize(experiment, run, cells, tracker)
     return [metrics[c.key] for c in cells]
+
+
+@contextlib.contextmanager
+def cell_lock(out_dir: Path, key: str) -> Iterator[None]:
+    """Hold the cell's lock file while it runs: another process that needs the cell blocks here until it is done."""
+    folder = Path(out_dir) / ".locks"          # a folder: git ignores it as it ignores the cells (results/*/*/)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{key}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def sweep_job() -> bool:
+    """Whether this process runs one job of a Hydra multirun (the sweep summarizes after its last job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except (ValueError, ImportError):
+        return False
 
 
 def run_one(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellStore, done: int) -> dict:
@@ -149,8 +192,13 @@ def run_one(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellS
     return store.metrics()
 
 
-def summarize(experiment: Experiment[Any], run: Run[Any], cells: list[Cell] | None = None) -> dict[str, str]:
-    """The experiment's summary from the cells on disk, printed; returns the paths written."""
+def summarize(experiment: Experiment[Any], run: Run[Any], cells: list[Cell] | None = None,
+              tracker: Tracker | None = None) -> dict[str, str]:
+    """The experiment's summary from the cells on disk, logged to the run's tracker (default: the one its config
+    names) and printed last; returns the paths written."""
     paths = experiment.report(run, cells if cells is not None else experiment.cells(run))
+    tracker = tracker if tracker is not None else tracker_for(run.cfg)
+    if tracker is not None:
+        tracker.log_summary(run.out_dir, paths)
     print_paths(paths)
     return paths

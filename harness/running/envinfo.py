@@ -96,9 +96,14 @@ def machine_class(env: dict | None = None) -> str:
             f"{env.get('cpu_count')} cores, no GPU")
 
 
+# set by a multirun's launching process (harness.running.sweep) to the sweep's command, for every job it starts
+SWEEP_ENV = "KVHARNESS_SWEEP_COMMAND"
+
+
 def env_record(seed: int, command: list[str] | None = None) -> dict:
+    sweep = os.environ.get(SWEEP_ENV)
     return {**static_env(), "seed": seed, "command": command if command is not None else sys.argv,
-            "command_line": command_line()}
+            "command_line": command_line(), **({"sweep_command": sweep} if sweep else {})}
 
 
 def code_identity(env: dict) -> tuple:

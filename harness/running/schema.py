@@ -55,6 +55,13 @@ class ExpConfig:
 
 
 @dataclass
+class TrackingConfig:
+    backend: str = "none"                # none | mlflow (harness.integrations.tracking)
+    uri: Optional[str] = None            # MLflow tracking URI; null = file:./mlruns (a local folder)
+    experiment: Optional[str] = None     # MLflow experiment name; null = kvharness/<exp.name>
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     system: SystemConfig = field(default_factory=SystemConfig)
@@ -64,6 +71,7 @@ class Config:
     results_dir: str = "results"
     progress: bool = True
     library_log_level: str = "error"     # vLLM's, transformers' and torch's console messages at or above this level
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)   # `tracking=mlflow` logs cells and summaries
 
 
 def register() -> None:

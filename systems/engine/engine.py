@@ -233,6 +233,15 @@ class Engine:
         while self.scheduler.has_work():
             self.step()
 
+    def set_policy(self, policy: Policy) -> None:
+        """Run later requests under `policy` (one of the same class, e.g. Policy.at_budget's): bound to this KV
+        storage and handed to the scheduler and runner. Only between generate() calls: no sequence may be alive."""
+        assert not self.scheduler.has_work(), "set_policy with sequences in flight"
+        policy.bind(self.kv)
+        self.policy = self.scheduler.policy = self.runner.policy = policy
+        if self.runner.fused is not None:
+            self.runner.fused.policy = policy
+
     def generate(self, requests: list[GenerationRequest]) -> list[Sequence]:
         """All requests to completion; mid-run arrivals honour each request's arrival_time."""
         t0 = time.perf_counter()

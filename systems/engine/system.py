@@ -33,15 +33,38 @@ class EngineSystem:
         self.engine.is_eos = lambda t: t in eos
         self.engine.decode_text = self._decode
         self.mode = policy.mode
+        self.policy = policy
+        self._at_budget: dict[int, Policy] = {}
         runner = self.engine.runner
         self.execution = ("decode steps as fused C++ layers" if runner.fused is not None
                           else f"decode steps op by op ({runner.fused_unsupported})")
+
+    def _run(self, requests: list[GenerationRequest]) -> list[Any]:
+        """Engine sequences of `requests` in order: requests that carry their own KV budget run in groups of one
+        budget, each under the configured policy at that budget (Policy.at_budget), the rest under the policy as
+        configured. Grouping costs only batching across budgets: decoding is batch-invariant in accuracy runs."""
+        groups: dict[int | None, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.kv_budget if self.policy.has_budget() else None, []).append(i)
+        if list(groups) == [None]:
+            return self.engine.generate(requests)
+        out: list[Any] = [None] * len(requests)
+        try:
+            for budget, index in groups.items():
+                if budget is not None and budget not in self._at_budget:
+                    self._at_budget[budget] = self.policy.at_budget(budget)
+                self.engine.set_policy(self.policy if budget is None else self._at_budget[budget])
+                for i, seq in zip(index, self.engine.generate([requests[i] for i in index])):
+                    out[i] = seq
+        finally:
+            self.engine.set_policy(self.policy)
+        return out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Completion]:
-        seqs = self.engine.generate(list(requests))
+        seqs = self._run(list(requests))
         out = []
         for seq in seqs:
             req = seq.request

@@ -192,6 +192,18 @@ class Policy:
         return params.get("budget") if cls.has_budget() else None
 
     @classmethod
+    def budget_granularity(cls, params: dict[str, Any], page_size: int) -> int:
+        """The step a budget moves in (a budget derived per request, e.g. from kvpress's compression_ratio, is
+        rounded down to a multiple of it): 1 token for policies that keep tokens; a paged policy overrides it."""
+        return 1
+
+    def at_budget(self, budget: int) -> Policy:
+        """This policy with its budget set to `budget` (with_budget's mapping), unbound: for one request's budget."""
+        cls = type(self)
+        params = {f.name: getattr(self, f.name) for f in dataclasses.fields(cls) if f.init}
+        return cls.from_params(cls.with_budget(params, budget))
+
+    @classmethod
     def budget_left_out(cls) -> str | None:
         """Why a shared budget leaves this policy as configured, for the summary to say so; None when the budget
         applies or the policy keeps the full cache by design."""

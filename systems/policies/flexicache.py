@@ -53,6 +53,10 @@ class FlexiCache(Policy):
         """Leave-one-out (the official GovReport / paper_assistant rule): never the evaluated task's own profile."""
         return {**params, "heldout_task": task} if params.get("heldout_task") is None else dict(params)
 
+    @classmethod
+    def budget_granularity(cls, params: dict[str, Any], page_size: int) -> int:
+        return page_size                  # top_k = budget // page_size pages
+
     def __post_init__(self) -> None:
         if self.budget <= 0 or self.rerank_interval < 1:
             raise ValueError(f"flexicache: need budget > 0 and rerank_interval >= 1, got budget={self.budget} "

@@ -46,6 +46,10 @@ class LServe(Policy):
     profile_schema = ("model", "task", "proxy", "num_layers", "num_kv_heads", "head_scores")
     profiler = "duo_attention"      # learned gates; head_stability makes the attention-mass proxy profile
 
+    @classmethod
+    def budget_granularity(cls, params: dict[str, Any], page_size: int) -> int:
+        return int(params.get("physical_page", 64))     # its budget is whole physical pages
+
     def __post_init__(self) -> None:
         if self.budget <= 0 or self.physical_page <= 0 or self.budget % self.physical_page:
             raise ValueError(f"lserve: budget must be a positive multiple of physical_page={self.physical_page}, "

@@ -38,6 +38,10 @@ class Quest(Policy):
 
     name = "quest"
 
+    @classmethod
+    def budget_granularity(cls, params: dict[str, Any], page_size: int) -> int:
+        return page_size                  # it reads whole pages: budget // page_size of them
+
     def __post_init__(self) -> None:
         if self.granularity not in ("query_head", "kv_head"):
             raise ValueError(f"quest: granularity must be query_head or kv_head, got {self.granularity!r}")

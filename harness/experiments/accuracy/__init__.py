@@ -2,7 +2,9 @@
 
 Each cell is one system on one task (per-task params and budget sweeps expand the grid), run by
 `cells.run_accuracy_cell`; the reference (exp.params.reference, from config) runs first and every other cell is
-compared with it on the same samples (retention and teacher-forced fidelity). Engine systems decode batch-invariantly
+compared with it on the same samples (retention and teacher-forced fidelity). A grid without the reference (a job
+of a sweep over systems) gets the reference's cells added (accuracy.reference): reused from disk, or run once.
+Engine systems decode batch-invariantly
 (`system_defaults`): a sample's tokens do not depend on which other samples share its batch, so a comparison is never
 decided by how requests happened to be batched. A kind subclasses `AccuracyExperiment` and writes its summary
 (`write_summary`); the `accuracy` kind itself reports any grid, with retention when it has a reference.
@@ -11,9 +13,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, TypeVar
 
+from harness.experiments.accuracy import ratio
 from harness.experiments.accuracy.cells import AccuracyItem, cell_config, collect, fidelity_plans, run_accuracy_cell
 from harness.experiments.accuracy.data import AccuracyData
 from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.reference import with_reference
+from harness.experiments.accuracy.samples import write_samples
 from harness.experiments.accuracy.sections import cells_seconds, standard_sections
 from harness.reporting import tables
 from harness.reporting.summary import cell_envs
@@ -48,12 +53,20 @@ class AccuracyExperiment(Experiment[AP]):
         raise NotImplementedError
 
     # ---- the experiment interface ----------------------------------------------------------------------------------
+    def check(self, run: Run[AP]) -> None:
+        p = run.params
+        ratio.check(p.compression_ratio, p.budget, p.budgets)
+
     def cells(self, run: Run[AP]) -> list[Cell]:
-        grid, labels = self.grid(run)
+        grid, labels = with_reference(run, self.grid(run), self.grid, self.system_defaults)
         plans = fidelity_plans(run.cfg, grid, labels, run.params.reference, run.out_dir)
-        return [Cell(key=c.key, config=cell_config(run.cfg, c), label=f"{c.system.name} × {c.task.name}",
-                     system=c.system, policy=c.policy, first=plan is not None and plan.role == "reference",
-                     item=AccuracyItem(c, label, plan)) for c, label, plan in zip(grid, labels, plans)]
+        r = run.params.compression_ratio
+        # a ratio sets a budgeted policy's budget per sample: it names the cell's folder and config like a budget
+        keys = [c.key + (f"__compression_ratio={r:g}" if ratio.applies(c.system, r) else "") for c in grid]
+        return [Cell(key=key, config=cell_config(run.cfg, c, r if ratio.applies(c.system, r) else None),
+                     label=f"{c.system.name} × {c.task.name}", system=c.system, policy=c.policy,
+                     first=plan is not None and plan.role == "reference", item=AccuracyItem(c, label, plan, key))
+                for c, key, label, plan in zip(grid, keys, labels, plans)]
 
     def plan_cell(self, run: Run[AP], cell: Cell, store: CellStore) -> int:
         """Render the cell's prompts (bad input fails before any generation) and size its largest request."""
@@ -61,6 +74,9 @@ class AccuracyExperiment(Experiment[AP]):
             return super().plan_cell(run, cell, store)
         _, samples, prompts = run.workspace.task(cell.item.grid.task)
         cell.units = len(samples)
+        r = run.params.compression_ratio
+        if r is not None and ratio.applies(cell.item.grid.system, r):
+            cell.item.budgets = ratio.sample_budgets(cell.item.grid.system, r, samples, prompts)
         if prompts:
             longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
             cell.fits = (len(prompts[longest]), samples[longest].max_new_tokens)
@@ -71,10 +87,12 @@ class AccuracyExperiment(Experiment[AP]):
 
     def report(self, run: Run[AP], cells: list[Cell]) -> dict[str, str]:
         mine = [c.item for c in cells if isinstance(c.item, AccuracyItem)]
-        found = collect(run, [i.grid for i in mine], [i.label for i in mine], self.label_of)
+        found = collect(run, [i.keyed() for i in mine], [i.label for i in mine], self.label_of)
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
-        return self.write_summary(run, *found)
+        paths = self.write_summary(run, *found)
+        samples = write_samples(run.out_dir, found[0], found[1], found[3])
+        return {**paths, "samples": samples} if samples else paths
 
 
 class Accuracy(AccuracyExperiment[AccuracyParams]):

@@ -7,6 +7,8 @@ with `collect`.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,11 +30,18 @@ from systems.registry import backend_of
 
 @dataclass
 class AccuracyItem:
-    """What an accuracy cell runs: its grid cell, its label in the summary, and its fidelity role (None: off)."""
+    """What an accuracy cell runs: its grid cell, its label in the summary, its fidelity role (None: off), its
+    folder key (the grid's, or with the compression ratio that sets its budgets) and its budget per sample."""
 
     grid: GridCell
     label: str
     plan: fidelity.FidelityPlan | None
+    key: str | None = None
+    budgets: dict[str, int] | None = None       # sample id -> KV budget (exp.params.compression_ratio)
+
+    def keyed(self) -> GridCell:
+        """The grid cell under the key its folder has."""
+        return self.grid if self.key in (None, self.grid.key) else dataclasses.replace(self.grid, key=str(self.key))
 
 
 def fidelity_settings(cfg: DictConfig) -> dict | None:
@@ -47,10 +56,13 @@ def fidelity_settings(cfg: DictConfig) -> dict | None:
     return {**FIDELITY_DEFAULTS, **(extra or {})}
 
 
-def cell_config(cfg: DictConfig, cell: GridCell) -> DictConfig:
-    """The cell's resolved config plus its fidelity settings: another setting reruns the cell."""
+def cell_config(cfg: DictConfig, cell: GridCell, compression_ratio: float | None = None) -> DictConfig:
+    """The cell's resolved config plus its fidelity settings and the compression ratio that sets its budgets:
+    another setting reruns the cell."""
     node = cell.resolved(cfg)
     node["fidelity"] = fidelity_settings(cfg)
+    if compression_ratio is not None:
+        node["compression_ratio"] = float(compression_ratio)
     return node
 
 
@@ -78,6 +90,11 @@ def fidelity_plans(cfg: DictConfig, cells: list[GridCell], labels: list[str], re
     return plans
 
 
+def prompt_hash(token_ids: list[int]) -> str:
+    """sha256 of a rendered prompt's token ids (lm-eval's log_samples hash the prompt text; ours is token ids)."""
+    return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()
+
+
 def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> dict:
     """Generate, score and measure the samples not on disk yet, in chunks of the system's batch size; the metrics
     of the whole cell from its rows."""
@@ -98,14 +115,16 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
         batch = grid.system.batch_size
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
+            budgets = [item.budgets.get(s.id) for s, _ in chunk] if item.budgets else None
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
-                                      stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0)
-                    for s, p in chunk]
+                                      stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
+                                      kv_budget=budgets[i] if budgets else None)
+                    for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
             t1 = time.perf_counter()
             fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
-                                      completions) if plan else [{} for _ in chunk])
+                                      completions, budgets) if plan else [{} for _ in chunk])
             t2 = time.perf_counter()
             gen_seconds += t1 - t0
             fid_seconds += t2 - t1
@@ -113,9 +132,11 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
             # session still states what all of its samples cost
             share = {"generation_s": (t1 - t0) / len(chunk), "fidelity_s": (t2 - t1) / len(chunk)}
             rows = []
-            for (s, _), c, f in zip(chunk, completions, fid):
+            for (s, prompt), c, f in zip(chunk, completions, fid):
                 scores = task.score(s, c.text)
                 rows.append({"id": s.id, "prediction": c.text, **scores, "meta": s.meta,
+                             "prompt_hash": prompt_hash(prompt),
+                             **({"kv_budget": item.budgets.get(s.id)} if item.budgets else {}),
                              "answers": list(s.answers), "prompt_tokens": c.prompt_tokens,
                              "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
                              "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **share, **f})
@@ -145,9 +166,10 @@ def collect(run: Run[Any], cells: list[GridCell], labels: list[str],
     experiment block (a multirun's other jobs); returns cells, labels, metrics and rows for a summary."""
     out_dir, same_code = run.out_dir, run.same_code
     stored = {c.key: c for c in cells_on_disk.finished(out_dir, cells_on_disk.exp_block(run.cfg), same_code)}
-    if not same_code:      # a report rebuilds from whatever the grid's folders hold, whichever code made them
-        stored.update({c.key: c for c in cells_on_disk.finished(out_dir, None, False)
-                       if c.key in {g.key for g in cells}})
+    # the grid's own cells whatever experiment block made them: a reference cell another run (with other systems)
+    # made is this grid's cell too; a rebuild from disk (not same_code) reads them whichever code made them
+    stored.update({c.key: c for c in cells_on_disk.finished(out_dir, None, same_code)
+                   if c.key in {g.key for g in cells}})
     out_cells: list[Any] = []
     out_labels: list[str] = []
     for cell, label in zip(cells, labels):

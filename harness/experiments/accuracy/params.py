@@ -16,5 +16,8 @@ class AccuracyParams(GridParams):
     fidelity: Any = True                       # false | true | {steps, gold}: teacher-forced fidelity settings
     task_params: dict[str, Any] = field(default_factory=dict)   # {task name: {param: value}} per-task overrides
     budgets: Optional[list[int]] = None        # run every budgeted policy at each budget (`system@budget`)
+    # kvpress's compression_ratio instead of a budget: each budgeted policy keeps (1 - ratio) x each sample's context
+    # (prompt tokens) per layer and KV head, rounded down to its granularity (harness.experiments.accuracy.ratio)
+    compression_ratio: Optional[float] = None
     size_reason: str = ""                      # why the committed grid is this size (printed in the summary)
     budget_reason: str = ""

@@ -5,12 +5,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from harness.experiments.accuracy.data import AccuracyData
-from harness.reporting import plots
+from harness.reporting import plots, results_file
 from harness.reporting.summary import Summary
 
 CHAIN_KEY = ("`>` only where the paired 95 % interval of two neighbours' difference excludes 0; `≈`: this n cannot "
              "order them. `≈` is not transitive (A ≈ B ≈ C can hold with A > C): the pairwise table orders every "
-             "pair by retention (and, with fidelity, the CSV's PAIRWISE_TOP1 rows by top-1 agreement).")
+             "pair by retention (and, with fidelity, pairwise.csv's `fid_top1` rows by top-1 agreement).")
 
 DEFINITIONS = (
     "Scores are means of per-sample scores (0–100) with a 95 % bootstrap interval; retention is (policy − chance) ÷ "
@@ -35,11 +35,12 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
     if reference is not None and reference in data.systems:
         md, csv = data.average_table(reference, units)
         summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
-        summary.csv(csv)
+        summary.csv([{k: v for k, v in r.items() if k != "task"} for r in csv], "averages")
     md, csv = data.unit_table(reference if reference in data.systems else None, units)
     if per_unit:
         summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
-    summary.csv(csv)
+    summary.csv(csv, "scores")
+    summary.results(results_file.unit_records(csv))
     flagged = data.flagged(reference) if reference in data.systems else []
     if flagged:
         summary.text(f"† reference less than {data.min_reference:g} points above chance: the ratio is shown but left "
@@ -52,31 +53,53 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
         if md:
             summary.section("Pairwise: difference in macro retention" + (f" ({title})" if title else "")).table(
                 AccuracyData.PAIRWISE_HEADER, md)
-        summary.csv([{**r, "task": "PAIRWISE", **({"group": title} if title else {})} for r in csv])
+        summary.csv([pairwise_row(r, "macro_retention", title) for r in csv], "pairwise")
         if data.has("fid_top1"):
-            summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
-                         for r in data.fidelity_pairwise("fid_top1", ref, systems, units)])
+            summary.csv([pairwise_row(r, "fid_top1", title)
+                         for r in data.fidelity_pairwise("fid_top1", ref, systems, units)], "pairwise")
     summary.text(DEFINITIONS)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:
         use = [u for u in units if u not in flagged] or units
         series = {u: [data.retention(s, u, reference).value for s in others] for u in use}
         errors = {u: [(e.low, e.high) for e in (data.retention(s, u, reference) for s in others)] for u in use}
+        sizes = sorted({data.n(reference, u) for u in use})
+        n = f"n = {sizes[0]} samples per task unit" if len(sizes) == 1 else \
+            f"n = {sizes[0]}–{sizes[-1]} samples per task unit"
         summary.image("png_retention", plots.bar_plot(
             out_dir / plot_name, others, series, errors=errors, colour_by="group", reference=1.0,
-            reference_label=f"{reference} (= 1)", xlabel="system", ylabel=f"retention vs {reference} (95 % CI)",
-            title=f"Accuracy retention per task unit (n per unit: "
-                  f"{', '.join(str(data.n(reference, u)) for u in use)})"), "retention")
+            reference_label=f"{reference} (= 1)",
+            xlabel="system" + (" (bars: task units, hatched as in the legend)" if len(use) > 1 else ""),
+            ylabel=f"retention vs {reference} (95 % CI)", title=f"Accuracy retention per task unit ({n})",
+            note=summary.figure_note(n)), "retention")
     if reference in data.systems and others and data.has("fid_top1"):
         top1 = [data.fidelity(s, "fid_top1", units) for s in others]
         kl = [data.fidelity(s, "fid_kl", units) for s in others]
-        summary.image("png_fidelity", plots.bar_plot(
-            out_dir / plot_name.replace("retention", "fidelity"), others,
-            {"top-1 agreement": [e.value for e in top1], "KL (nats)": [e.value for e in kl]},
-            errors={"top-1 agreement": [(e.low, e.high) for e in top1], "KL (nats)": [(e.low, e.high) for e in kl]},
-            notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
-            ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
-            title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
+        counts = sorted({e.n for e in top1})
+        n = f"n = {counts[0]} samples per system" if len(counts) == 1 else \
+            f"n = {counts[0]}–{counts[-1]} samples per system"
+        summary.image("png_fidelity", plots.bar_panels(
+            out_dir / plot_name.replace("retention", "fidelity"), others, [
+                dict(series={"top-1 agreement": [e.value for e in top1]},
+                     errors={"top-1 agreement": [(e.low, e.high) for e in top1]},
+                     notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, reference=1.0,
+                     reference_label="perfect agreement (= 1)", ylabel="top-1 agreement (share, 95 % CI)",
+                     title="Top-1 agreement (higher is closer)"),
+                dict(series={"KL (nats)": [e.value for e in kl]},
+                     errors={"KL (nats)": [(e.low, e.high) for e in kl]},
+                     ylabel=f"KL({reference} ‖ policy), nats per token (95 % CI)",
+                     title="KL divergence (lower is closer; 0 = identical)")],
+            xlabel="system", title=f"Teacher-forced fidelity to {reference} ({n})", note=summary.figure_note(n)),
+            "fidelity")
+
+
+def pairwise_row(row: dict, metric: str, group: str) -> dict:
+    """One row of pairwise.csv: a paired difference of `metric` between two systems (A − B), tidy: the metric is a
+    column, not a marker in the task column."""
+    name = next(k for k in row if k.endswith("_difference"))
+    return {"group": group or None, "metric": metric, "system": row["system"], "other": row["other"],
+            "difference": row[name], "ci_low": row[f"{name}_ci_low"], "ci_high": row[f"{name}_ci_high"],
+            "n": row[f"{name}_n"], "verdict": row["verdict"]}
 
 
 def cells_seconds(metrics: list[dict]) -> float:

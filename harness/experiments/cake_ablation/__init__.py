@@ -163,8 +163,8 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
                                       pairwise_groups=same_budget if len(same_budget) > 1 else None)
     summary.text("Budgets are CAKE's cache_size: average tokens per layer and KV head, window included.")
     summary.csv([{**{k: pt.get(k) for k in ("study", "budget", "allocation", "indicator", "tau1", "tau2")},
-                  "system": pt["label"], "task": "POINT", **retention_columns(report.retention(pt["label"]))}
-                 for pt in points])
+                  "system": pt["label"], **retention_columns(report.retention(pt["label"]))}
+                 for pt in points], "points")
     summary.took(cells_seconds(metrics),
                  "generation + fidelity, every cell")
     return summary.write(out_dir)

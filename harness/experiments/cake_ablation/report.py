@@ -35,13 +35,20 @@ class AblationReport:
     def find(self, budget: int, study: str, **want: Any) -> str | None:
         return next((pt["label"] for pt in self.points if pt["budget"] == budget and matches(pt, study, want)), None)
 
+    def n_text(self) -> str:
+        """The samples behind each point (paired with the reference)."""
+        counts = sorted({e.n for e in (self.retention(pt["label"]) for pt in self.points) if e.n})
+        return (f"n = {counts[0]}" if len(counts) == 1 else f"n = {counts[0]}–{counts[-1]}" if counts
+                else "n = 0") + " paired samples per point"
+
     def retention(self, label: str | None) -> Estimate:
         return self.data.macro_retention(label, self.reference) if label else unc.NAN
 
     def heatmap(self, name: str, labs: list[list[str | None]], rows: list, cols: list, **kw: Any) -> str:
         return plots.heatmap(self.out_dir / name, [[self.retention(x).value for x in row] for row in labs], rows,
                              cols, colorbar=f"retention vs {self.reference}", digits=2,
-                             notes=[[ci_note(self.retention(x)) if x else "" for x in row] for row in labs], **kw)
+                             notes=[[ci_note(self.retention(x)) if x else "" for x in row] for row in labs],
+                             note=self.summary.figure_note(self.n_text()), **kw)
 
     def grid(self, b: int) -> None:
         p, ref = self.p, self.reference
@@ -69,7 +76,8 @@ class AblationReport:
             errors={f"budget {b}": [(e.low, e.high) for e in est[b]] for b in budgets},
             notes={f"budget {b}": [f"n={e.n}" if e.n else "" for e in est[b]] for b in budgets},
             xlabel=study, ylabel=f"retention vs {self.reference} (95 % CI)", reference=1.0,
-            reference_label=f"{self.reference} (= 1)", title=f"CAKE {study} ablation ({fixed})"), study)
+            reference_label=f"{self.reference} (= 1)", title=f"CAKE {study} ablation ({fixed})",
+            note=self.summary.figure_note(self.n_text())), study)
 
     def taus(self, b: int) -> None:
         p = self.p

@@ -154,16 +154,18 @@ def write_summary(run: Run[Params], results: list[dict], envs: list[dict]) -> di
                  f"and busy threads are read from /proc over the timed steps; CPUs allowed: "
                  f"{r0.get('cpus_allowed') or '?'}.")
     summary.csv([{**r, "speedup_vs_reference": _ratio(at[(ref, r["batch"])]["total_ms"], r["total_ms"]),
-                  "reference": ref} for r in results])
+                  "reference": ref} for r in results], "points")
+    n = f"n = {p.steps} timed decode steps per point (mean)"
     summary.image("png_latency", plots.line_plot(
         out_dir / "latency_vs_batch.png", {s: [(b, at[(s, b)]["total_ms"]) for b in batches] for s in systems},
         "batch size (sequences)", "decode attention per layer and step (ms)",
-        f"Decode attention latency at {p.context} tokens (selection + attention)", logx=True), "latency vs batch")
+        f"Decode attention latency at {p.context} tokens (selection + attention)", logx=True, ymin=0.0,
+        note=summary.figure_note(n)), "latency vs batch")
     summary.image("png_speedup", plots.line_plot(
         out_dir / "speedup_vs_batch.png",
         {s: [(b, _ratio(at[(ref, b)]["total_ms"], at[(s, b)]["total_ms"])) for b in batches] for s in systems
          if s != ref}, "batch size (sequences)", f"speedup over {ref} (×)", "Decode attention speedup over dense",
-        logx=True, hline=1.0), "speedup vs batch")
+        logx=True, hline=1.0, note=summary.figure_note(n)), "speedup vs batch")
     return summary.write(out_dir)
 
 

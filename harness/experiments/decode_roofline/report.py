@@ -54,7 +54,7 @@ def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str,
         "measured there; rest = the whole step's median minus both: norms, projections, MLP, RoPE, the KV append "
         "and the LM head). H2D = host → device bytes copied per step (FlexiCache's promotions). Cores busy = CPU "
         f"seconds ÷ wall time over the timed steps, from /proc. {stored['dtype']} on {machine}.")
-    summary.csv([{**r, "reference": ref, "bandwidth_gbs": bandwidth} for r in rows])
+    summary.csv([{**r, "reference": ref, "bandwidth_gbs": bandwidth} for r in rows], "points")
     budgets = sorted({str(r["budget"]) for r in rows if r.get("budget") is not None})
     panels = [{"series": {s: [(b, at[(s, c, b)]["achieved_gbs"]) for b in batches if (s, c, b) in at]
                           for s in systems},
@@ -62,8 +62,9 @@ def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str,
                "hline": bandwidth} for c in contexts]
     summary.image("png_roofline", plots.line_panels(
         out_dir / "achieved_vs_attainable.png", panels, "batch size (sequences)",
-        f"Decode step: achieved GB/s vs the attainable {bandwidth:.0f} GB/s (grey line, measured); n = {p.steps} "
-        f"steps per point, budget {', '.join(budgets) or 'none'}; {machine}"), "achieved vs attainable bandwidth")
+        f"Decode step: achieved GB/s vs the attainable {bandwidth:.0f} GB/s (grey line, measured in this run)",
+        note=summary.figure_note(f"n = {p.steps} steps per point (median), budget {', '.join(budgets) or 'none'}")),
+        "achieved vs attainable bandwidth")
     return summary.write(out_dir)
 
 

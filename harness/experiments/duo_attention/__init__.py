@@ -150,16 +150,18 @@ def write_summary(run: Run[Params], metrics: dict, p: dict) -> dict[str, str]:
     summary.section("Gates per layer (KV heads) and LServe's streaming heads").table(
         ["layer", *[f"head {h}" for h in range(gates.shape[1])], "streaming heads"],
         [[i, *[f"{float(g):.3f}" for g in row], per_layer[i]] for i, row in enumerate(gates)])
+    n = f"n = {p['pool']} training samples × {p['steps']} steps"
     summary.image("png_gates", plots.heatmap(
         out_dir / "gates.png", gates.T.tolist(), [f"KV head {h}" for h in range(gates.shape[1])],
         list(range(gates.shape[0])), xlabel="layer", ylabel="KV head", title="DuoAttention gates (1 = full)",
-        colorbar="gate α", vmin=0.0, vmax=1.0, digits=2, cmap="viridis"), "gates")
+        colorbar="gate α", vmin=0.0, vmax=1.0, digits=2, cmap="viridis",
+        note=summary.figure_note(n)), "gates")
     summary.image("png_loss", plots.line_plot(
         out_dir / "training.png", {"distillation loss": [(h["step"], h["distill"]) for h in hist],
                                    "mean gate": [(h["step"], h["mean_gate"]) for h in hist]},
-        "step", "value", "Gate training", logy=True), "training")
+        "step", "value", "Gate training", logy=True, note=summary.figure_note(n)), "training")
     summary.csv([{"layer": i, "head": h, "gate": float(gates[i, h]), "streaming": (i, h) in streaming}
-                 for i in range(gates.shape[0]) for h in range(gates.shape[1])])
+                 for i in range(gates.shape[0]) for h in range(gates.shape[1])], "gates")
     summary.took(metrics["train_seconds"] + metrics["teacher_seconds"], "teacher states + training")
     return summary.write(out_dir)
 

@@ -154,7 +154,7 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
             ", ".join(f"L{layer}: {n}" for layer, n in sorted(per_layer.items())))
     head_columns = ("layer", "head", "ts_mean", "ts_std", "ts_min", "bottom_frequency", "unstable")
     summary.csv([{"task": m["task"], **{k: hs[k] for k in head_columns}}
-                 for m in results for hs in m["flexicache"]["head_stats"]])
+                 for m in results for hs in m["flexicache"]["head_stats"]], "heads")
     panels = []
     for m in results:
         if not m.get("rco_by_offset"):
@@ -168,17 +168,20 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
                            colours={"stable heads (mean)": "tab:blue", "unstable heads (mean)": "tab:red"},
                            ylabel="RCO(S_s, S_s+Δ) (0 = chance, 1 = identical)",
                            title=f"{m['task']}: top-{m['flexicache']['K']} overlap vs offset"))
+    n = "n = " + ", ".join(f"{m['flexicache']['samples']} samples × {m['flexicache']['windows']} windows "
+                           f"({m['task']})" for m in results)
     if panels:
         summary.image("png_rco", plots.line_panels(out_dir / "rco_vs_offset.png", panels,
                                                    "offset Δ from the window start (decode steps)",
-                                                   "Top-K page-set stability (FlexiCache F1)"), "RCO vs offset")
+                                                   "Top-K page-set stability (FlexiCache F1)",
+                                                   note=summary.figure_note(n)), "RCO vs offset")
     shares = [m["flexicache"] for m in results if m["flexicache"].get("promoted_share_stable") is not None]
     if shares:
         summary.image("png_promoted", plots.bar_plot(
             out_dir / "promoted_share.png", [f["task"] for f in shares],
             {"promoted share": [100 * f["promoted_share_stable"] for f in shares]}, xlabel="profiling task",
-            ylabel="pages promoted per rerank (% of top-K)", title="Host→device traffic per rerank (stable heads)"),
-            "promoted share")
+            ylabel="pages promoted per rerank (% of top-K)", title="Host→device traffic per rerank (stable heads)",
+            note=summary.figure_note(n)), "promoted share")
     return summary.write(out_dir)
 
 

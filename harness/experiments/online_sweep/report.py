@@ -128,8 +128,8 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                  "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "
                  "most requests in flight in any second. Every server streams one chunk per token.")
     if p.goodput:
-        summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in summary.csv.")
-    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows])
+        summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in rates.csv.")
+    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows], "rates")
     if rows:
         clients = list(dict.fromkeys(r.get("client", "harness client") for r in rows))
 
@@ -137,15 +137,16 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
             return r["system"] if len(clients) == 1 else f"{r['system']} ({r.get('client', 'harness client')})"
         by = {s: sorted((r for r in rows if label(r) == s), key=lambda r: r["request_rate"])
               for s in dict.fromkeys(label(r) for r in rows)}
-        n = f"n = {p.num_prompts} requests per rate, {p.input_len} + {p.output_len} tokens"
+        n = f"n = {p.num_prompts} requests per rate ({p.input_len} in + {p.output_len} out)"
         summary.image("tpot_png", plots.line_plot(
             out_dir / "tpot_vs_rate.png",
             {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
-            "request rate (requests/s)", "mean TPOT (ms)", f"Mean TPOT vs request rate ({n})"), "TPOT vs rate")
+            "request rate (requests/s)", "mean TPOT (ms)", f"Mean TPOT vs request rate ({n})", ymin=0.0,
+            note=summary.figure_note(n)), "TPOT vs rate")
         summary.image("ttft_png", plots.line_plot(
             out_dir / "ttft_vs_rate.png",
             {s: [(r["request_rate"], r["mean_ttft_ms"]) for r in rs] for s, rs in by.items()},
             "request rate (requests/s)", "mean TTFT (ms)", f"Mean TTFT vs request rate ({n})",
             dashed={s: [(r["request_rate"], r["p99_ttft_ms"]) for r in rs] for s, rs in by.items()},
-            dashed_label="p99 (dashed)"), "TTFT vs rate")
+            dashed_label="p99 (dashed, ×)", ymin=0.0, note=summary.figure_note(n)), "TTFT vs rate")
     return summary.write(out_dir)
