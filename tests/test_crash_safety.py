@@ -21,7 +21,7 @@ def _cmd(model_dir, results):
 
 
 def _rows(results):
-    (cell,) = [p for p in (Path(results) / "crash").iterdir() if p.is_dir()]
+    (cell,) = [p for p in (Path(results) / "crash").iterdir() if (p / "predictions.jsonl").is_file()]
     lines = (cell / "predictions.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines]
 
@@ -59,7 +59,7 @@ def test_sigkill_then_resume_equals_clean_run(tiny_llama_dir, tmp_path):
     assert [strip(r) for r in sorted(rows, key=key)] == [strip(r) for r in sorted(ref_rows, key=key)]
     assert _table(crashed) == _table(clean)
     # the cost counts the samples of the killed runs too, not only those of the last one
-    (cell,) = [p for p in (crashed / "crash").iterdir() if p.is_dir()]
+    (cell,) = [p for p in (crashed / "crash").iterdir() if (p / "predictions.jsonl").is_file()]
     metrics = json.loads((cell / "metrics.json").read_text())
     assert all(r["generation_s"] > 0 for r in rows)
     assert metrics["generation_seconds"] == pytest.approx(sum(r["generation_s"] for r in rows))

@@ -20,7 +20,7 @@ def _run(tmp, model_dir, overrides):
             "task.params.max_new_tokens=8", "task.limit=4", "exp.name=det", f"results_dir={tmp}",
             "progress=false", *overrides])
     run(cfg)
-    (cell,) = [p for p in (Path(tmp) / "det").iterdir() if p.is_dir()]
+    (cell,) = [p for p in (Path(tmp) / "det").iterdir() if (p / "predictions.jsonl").is_file()]
     rows = [json.loads(x) for x in (cell / "predictions.jsonl").read_text().splitlines()]
     return {r["id"]: r["prediction"] for r in rows}
 

@@ -87,6 +87,7 @@ def test_memory_experiment_checks_its_own_count(on_path, tiny_llama_dir, tmp_pat
                           "system.name=engine-keep-first", "system.policy=keep_first_pages", "+system.params.pages=3",
                           "exp.params.budget=null", "exp.params.lengths=[300,600]", "exp.params.output_len=4",
                           "exp.params.warmup=false")
+    rows = rows["memory"]
     assert [r["system"] for r in rows] == ["engine-keep-first"] * 2
     assert all(r["matches_analytic"] == "True" for r in rows)
     # 3 pages of 16 tokens + 3 decode tokens = 51 tokens = 4 pages per (layer, KV head), at both lengths
