@@ -23,6 +23,9 @@ class GenerationRequest:
     # tokens back instead of its own choice; EOS and stop strings do not end it
     forced_output_ids: tuple[int, ...] | None = None
     logprob_steps: int = 0            # keep the full next-token log-probabilities of the first N output steps
+    # score the prompt: at each prompt position the log-probability of the prompt's own next token and the top-N
+    # alternatives, from the prefill forward (before the KV policy evicts anything); None = not computed
+    prompt_logprobs: int | None = None
 
 
 @dataclass

@@ -39,6 +39,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval fills its registry with its own models only while the registry is empty)
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
