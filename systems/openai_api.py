@@ -34,7 +34,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
            "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
            "top_logprobs": (None, 0), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
            "repetition_penalty": (1, 1.0, None), "suffix": (None, ""), "tools": (None, []),
-           "response_format": (None, {"type": "text"})}
+           "response_format": (None, {"type": "text"}),
+           "prompt_logprobs": (None,)}       # vLLM's own field: echo + logprobs returns the prompt's here
 COMPLETIONS_FIELDS = ("echo", "logprobs")    # meaningful on /v1/completions (openai_logprobs), neutral-only on chat
 
 
@@ -117,6 +118,19 @@ def _token_ids(value: Any, vocab: int) -> list[int] | None:
             raise ApiError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
         return list(value)
     return None
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    """The body, refused with 413 from its Content-Length or as soon as a chunked body passes the limit."""
+    declared = request.content_length
+    if declared is not None and declared > max_body_bytes:
+        raise ApiError(f"the request body has {declared} bytes, more than this server's limit of "
+                       f"{max_body_bytes}; shorten the prompt", status=413)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(f"the request body passed this server's limit of {max_body_bytes} bytes; "
+                       "shorten the prompt", status=413) from None
 
 
 def load_json(raw: bytes) -> Any:

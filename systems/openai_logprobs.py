@@ -65,7 +65,9 @@ def _floor(value: float) -> float:
 
 def logprobs_object(tokenizer: Any, ids: list[int], entries: list[Entry], offset: int = 0) -> dict[str, list]:
     """OpenAI's completions `logprobs` object for these tokens; `offset`: characters streamed before them."""
-    texts = tokenizer.batch_decode([[t] for t in ids])
+    unique = sorted({*ids, *(t for e in entries if e is not None for t in e[1])})
+    text_of = dict(zip(unique, tokenizer.batch_decode([[t] for t in unique])))     # each token decoded once
+    texts = [text_of[t] for t in ids]
     tokens: list[str] = []
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []
@@ -81,8 +83,8 @@ def logprobs_object(tokenizer: Any, ids: list[int], entries: list[Entry], offset
         own, top_ids, top_vals = entry
         token_logprobs.append(_floor(own))
         top = {text: _floor(own)}
-        for t, lp in zip(tokenizer.batch_decode([[i] for i in top_ids]) if top_ids else [], top_vals):
-            top.setdefault(t, _floor(lp))
+        for t, lp in zip(top_ids, top_vals):
+            top.setdefault(text_of[t], _floor(lp))
         top_logprobs.append(top)
     return {"text_offset": text_offset, "token_logprobs": token_logprobs, "tokens": tokens,
             "top_logprobs": top_logprobs}

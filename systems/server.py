@@ -173,25 +173,13 @@ class OpenAIServer:
         finally:
             self.counts[outcome[0]] += 1
 
-    async def _read(self, request: web.Request) -> bytes:
-        """The body, refused with 413 from its Content-Length or as soon as a chunked body passes the limit."""
-        declared = request.content_length
-        if declared is not None and declared > self.max_body_bytes:
-            raise ApiError(f"the request body has {declared} bytes, more than this server's limit of "
-                           f"{self.max_body_bytes}; shorten the prompt", status=413)
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(f"the request body passed this server's limit of {self.max_body_bytes} bytes; "
-                           "shorten the prompt", status=413) from None
-
     def _parse(self, raw: bytes, chat: bool) -> Params:
         return parse_body(api.load_json(raw), chat, self.tokenizer, self.engine, self.model_name, self.max_chars)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float, outcome: list[str]
                      ) -> web.StreamResponse:
         try:
-            raw = await self._read(request)
+            raw = await api.read_body(request, self.max_body_bytes)
             params = await asyncio.get_running_loop().run_in_executor(self.workers, self._parse, raw, chat)
         except ApiError as err:
             outcome[0] = "too_large" if err.status == 413 else "invalid"
@@ -221,8 +209,7 @@ class OpenAIServer:
 
     async def _events(self, live: Live, detok: Detokenizer, choice: ChoiceText | None = None
                       ) -> AsyncIterator[tuple[str, dict[str, list] | None, str | None]]:
-        """(text, logprobs or None, finish_reason or None) per engine step, the text and log-probabilities through
-        `choice` (completions' echo and logprobs) when given; raises ApiError on an engine failure."""
+        """(text, logprobs or None, finish_reason or None) per engine step; raises ApiError on an engine failure."""
         while True:
             event = await live.events.get()
             if event[0] == "invalid":         # refused by the engine's own checks: it never joined a batch
@@ -234,7 +221,9 @@ class OpenAIServer:
             _, ids, engine_finish, entries, prompt = event
             delta = detok.push(ids, final=engine_finish is not None)
             finish = "stop" if detok.stopped else engine_finish
-            yield (*choice.chunk(delta, ids, entries, prompt), finish) if choice else (delta, None, finish)
+            text, logprobs = (delta, None) if choice is None else await asyncio.get_running_loop().run_in_executor(
+                self.workers, choice.chunk, delta, ids, entries, prompt)   # echo + logprobs decode every token
+            yield text, logprobs, finish
             if finish is not None:
                 live.done = True
                 if engine_finish is None:      # a stop string the engine has not acted on yet

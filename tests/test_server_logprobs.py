@@ -106,6 +106,7 @@ def test_streamed_logprobs_join_to_the_non_streamed_ones(dense):
     ({"echo": 1}, "echo"),
     ({"max_tokens": 0}, "max_tokens"),                    # 0 only with echo
     ({"max_tokens": -1, "echo": True}, "max_tokens"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs"),          # vLLM's own field: refused, not silently ignored
 ])
 def test_bad_logprobs_fields_get_400_naming_the_field(dense, body, param):
     resp = _post(dense[1], prompt="x", **body)
