@@ -158,8 +158,8 @@ def test_readme_command_runs_on_this_machine(tmp_path):
 
 
 def test_module_entry_point_runs_an_engine_policy(tiny_llama_dir, tmp_path):
-    """`python -m harness.integrations.lmeval run` with lm-eval's standard arguments and an explicit device; another system than
-    the README's, so another folder."""
+    """`python -m harness.integrations.lmeval run` with lm-eval's standard arguments and an explicit device; another
+    system than the README's, so another folder."""
     cmd = [sys.executable, "-m", "harness.integrations.lmeval", "run", "--model", "kvharness", "--model_args",
            f"system=streaming,budget=32,model_path={tiny_llama_dir},dtype=float32,max_length=1024",
            "--tasks", "kvh_tiny_mc", "--include_path", FIXTURE_TASKS, "--device", "cpu",
