@@ -16,7 +16,7 @@ What the numbers mean under a KV policy: prompt tokens are scored by the prefill
 prompt before the policy evicts, offloads or selects anything (the engine's prefill is dense for every policy); only
 generated tokens are decoded under the policy. So an echo-scored continuation is the dense model's log-likelihood
 whatever the policy; to score a continuation under the policy, teacher-force it (the lm-eval adapter,
-harness/lmeval.py, does).
+harness/integrations/lmeval.py, does).
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ def test_lm_eval_local_completions_scores_through_the_server(dense, tiny_llama_d
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from harness.lmeval import KVHarnessLM
+    from harness.integrations.lmeval import KVHarnessLM
 
     assert find_spec("tenacity"), "lm-eval's API models need lm_eval[api] (tenacity): run `make setup`"
 
