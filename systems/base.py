@@ -26,6 +26,9 @@ class GenerationRequest:
     # this request's KV budget (tokens per layer and KV head, mapped onto the policy's knobs by Policy.at_budget);
     # None: the system's configured policy. Systems that run no KV policy keep the full cache and ignore it
     kv_budget: int | None = None
+    # score the prompt: at each prompt position the log-probability of the prompt's own next token and the top-N
+    # alternatives, from the prefill forward (before the KV policy evicts anything); None = not computed
+    prompt_logprobs: int | None = None
 
 
 @dataclass

@@ -20,20 +20,23 @@ from dataclasses import dataclass, field
 from systems.base import GenerationRequest
 from systems.engine.engine import Engine
 from systems.engine.sequence import Sequence, Status
+from systems.openai_logprobs import Entry, output_entries
 
 log = logging.getLogger("kvharness.server")
 FINISH = {"length": "length", "stop": "stop", "eos": "stop"}
 
 @dataclass
 class Live:
-    """A request between HTTP and engine: the engine thread posts ('tokens', ids, finish), ('error', msg) or
-    ('invalid', msg)."""
+    """A request between HTTP and engine: the engine thread posts ('tokens', ids, finish, entries, prompt_entries),
+    ('error', msg) or ('invalid', msg). `entries`: the new tokens' log-probabilities when the request keeps them
+    (logprob_steps), else None; `prompt_entries`: the prompt's (request.prompt_logprobs), in the first event only."""
 
     request: GenerationRequest
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None     # the engine's, set by the engine thread
     sent: int = 0               # output tokens already posted
+    top_logprobs: int = 0       # alternatives per generated token in `entries`
     done: bool = False          # finished, failed or aborted: nothing more will be posted
 
 
@@ -128,10 +131,22 @@ class EngineLoop:
             finished = seq.status is Status.FINISHED
             if n > live.sent or finished:
                 ids = seq.token_ids[seq.num_prompt_tokens + live.sent:seq.num_prompt_tokens + n]
+                entries = self._entries(live, seq, n)
+                prompt = seq.prompt_logprobs if live.sent == 0 and live.request.prompt_logprobs is not None else None
                 live.sent = n
-                self._post(live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None))
+                self._post(live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None,
+                                  entries, prompt))
             if finished:
                 del self._live[rid]
+
+    @staticmethod
+    def _entries(live: Live, seq: Sequence, n: int) -> list[Entry] | None:
+        """The new tokens' log-probabilities; their full vocabulary rows are taken off the sequence here, every step,
+        so a long generation holds one row at a time, not one per token."""
+        if not live.request.logprob_steps:
+            return None
+        rows, seq.logprob_rows = seq.logprob_rows, []
+        return output_entries(rows, seq.token_logprobs[live.sent:n], live.top_logprobs)
 
     def _drop(self, live: Live) -> None:
         """Take a sequence out of the engine wherever it is, freeing its KV blocks."""

@@ -2,9 +2,10 @@
 
 Accepted as in vLLM's server: `prompt` as text, token ids, or a one-element list of either; `max_tokens`
 (chat: also `max_completion_tokens`) defaulting to the context left after the prompt; `ignore_eos`;
-`stream_options.include_usage`. Fields a client may send at their neutral value (n=1, logprobs=None,
-echo=false, penalties 0, repetition_penalty 1) are accepted; other values are refused with 400 rather than
-silently ignored, so a benchmark never measures something other than what it asked for.
+`stream_options.include_usage`; on completions `logprobs` and `echo` (systems/openai_logprobs.py says what they
+return and what prompt log-probabilities mean under a KV policy). Fields a client may send at their neutral value
+(n=1, chat's logprobs=false, penalties 0, repetition_penalty 1) are accepted; other values are refused with 400
+rather than silently ignored, so a benchmark never measures something other than what it asked for.
 
 Every sampling value is checked before the engine sees it (finite, in range, integers where sizes are meant; `seed`
 within int64), so one client's value can never reach a batch it shares with others. `load_json` bounds nesting
@@ -22,7 +23,9 @@ from typing import Any
 
 from aiohttp import web
 
+from systems.base import GenerationRequest
 from systems.engine.sampler import SEED_MAX, SEED_MIN
+from systems.openai_logprobs import ChoiceText, LogprobsError, parse_logprobs
 
 MAX_JSON_DEPTH = 32        # the deepest body the API needs is 5 levels (messages -> content parts)
 MAX_STOP = 16              # stop strings per request: each is searched for after every token
@@ -31,7 +34,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
            "n": (1, None), "best_of": (1, None), "echo": (False, None), "logprobs": (None, False, 0),
            "top_logprobs": (None, 0), "presence_penalty": (0, 0.0, None), "frequency_penalty": (0, 0.0, None),
            "repetition_penalty": (1, 1.0, None), "suffix": (None, ""), "tools": (None, []),
-           "response_format": (None, {"type": "text"})}
+           "response_format": (None, {"type": "text"}),
+           "prompt_logprobs": (None,)}       # vLLM's own field: echo + logprobs returns the prompt's here
+COMPLETIONS_FIELDS = ("echo", "logprobs")    # meaningful on /v1/completions (openai_logprobs), neutral-only on chat
 
 
 class ApiError(Exception):
@@ -61,6 +66,26 @@ class Params:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    logprobs: int | None = None         # completions: top-N log-probabilities per returned token
+    echo: bool = False                  # completions: the prompt comes back in front of the completion
+    prompt_text: str = ""               # what echo returns as the prompt's text
+
+    def request(self, request_id: str, arrival: float) -> GenerationRequest:
+        """The engine request: echo with max_tokens 0 still makes one token (not returned); `logprobs` keeps each
+        generated token's log-probabilities, and with echo the prompt's too."""
+        steps = max(self.max_tokens, 1)
+        scored = self.logprobs is not None
+        return GenerationRequest(
+            request_id=request_id, prompt_token_ids=self.prompt_ids, max_new_tokens=steps,
+            temperature=self.temperature, top_p=self.top_p, seed=self.seed, ignore_eos=self.ignore_eos,
+            stop=self.stop, arrival_time=arrival, logprob_steps=steps if scored and self.max_tokens else 0,
+            prompt_logprobs=self.logprobs if scored and self.echo else None)
+
+    def choice_text(self, tokenizer: Any) -> ChoiceText | None:
+        """Completions' text and logprobs per chunk when echo or logprobs is asked for (never on chat)."""
+        if self.logprobs is None and not self.echo:
+            return None
+        return ChoiceText(tokenizer, self.logprobs, self.echo, self.max_tokens > 0, self.prompt_ids, self.prompt_text)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
@@ -93,6 +118,19 @@ def _token_ids(value: Any, vocab: int) -> list[int] | None:
             raise ApiError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
         return list(value)
     return None
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    """The body, refused with 413 from its Content-Length or as soon as a chunked body passes the limit."""
+    declared = request.content_length
+    if declared is not None and declared > max_body_bytes:
+        raise ApiError(f"the request body has {declared} bytes, more than this server's limit of "
+                       f"{max_body_bytes}; shorten the prompt", status=413)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(f"the request body passed this server's limit of {max_body_bytes} bytes; "
+                       "shorten the prompt", status=413) from None
 
 
 def load_json(raw: bytes) -> Any:
@@ -186,8 +224,13 @@ def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: s
         raise ApiError(f"the model `{model}` does not exist; this server serves `{model_name}`", status=404,
                        kind="NotFoundError", param="model")
     for key, allowed in NEUTRAL.items():
-        if key in body and body[key] not in allowed:
+        if key in body and body[key] not in allowed and (chat or key not in COMPLETIONS_FIELDS):
             raise ApiError(f"{key}={body[key]!r} is not supported by this server; drop it", param=key)
+    try:
+        logprobs = None if chat else parse_logprobs(body)
+    except LogprobsError as exc:
+        raise ApiError(str(exc), param=exc.param) from None
+    echo = not chat and _flag(body, "echo")
     # the cheap checks first: a bad value costs no tokenizing
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -210,15 +253,16 @@ def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: s
     max_tokens = body.get(key)
     if max_tokens is None:
         max_tokens = limit - len(ids)
-    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ApiError(f"{key} must be an integer >= 1, got {max_tokens!r}", param=key)
-    if len(ids) + max_tokens > limit:
+    elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < (0 if echo else 1):
+        raise ApiError(f"{key} must be an integer >= 1 (0 only with echo=true, to score the prompt), got "
+                       f"{max_tokens!r}", param=key)
+    if len(ids) + max(max_tokens, 1) > limit:
         raise ApiError(f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt + "
                        f"{max_tokens} completion tokens were requested; lower {key} or shorten the prompt",
                        param=key)
     # Its footprint once all max_tokens are decoded, by the policy's own rule (a budget caps it for eviction
     # policies): a sequence that alone outgrows the device tier would fail the engine step it runs in.
-    need = engine.policy.device_blocks_needed(len(ids) + max_tokens, 0)
+    need = engine.policy.device_blocks_needed(len(ids) + max(max_tokens, 1), 0)
     capacity = engine.kv.device_blocks.capacity
     if need > capacity:
         raise ApiError(f"the request needs {need} device KV blocks but the server's device tier holds {capacity}; "
@@ -226,7 +270,16 @@ def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: s
                        param=key)
     return Params(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                   seed=random.getrandbits(31) if seed is None else seed, stop=stop,
-                  ignore_eos=ignore_eos, stream=stream, include_usage=include_usage)
+                  ignore_eos=ignore_eos, stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echo,
+                  prompt_text=_prompt_text(body, ids, tokenizer) if echo else "")
+
+
+def _prompt_text(body: dict, ids: list[int], tokenizer: Any) -> str:
+    """The prompt as echo returns it: the text the client sent, or its token ids decoded."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids)
 
 
 def default_max_body_bytes(max_model_len: int) -> int:

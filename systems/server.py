@@ -2,8 +2,9 @@
 
     python -m systems.server --policy quest --params '{"budget": 512}' --port 8000   # 127.0.0.1 unless --host
 
-Routes: POST /v1/completions, POST /v1/chat/completions (`stream`, `stream_options.include_usage`, vLLM's
-`ignore_eos`), GET /v1/models, GET /health (JSON counters), GET /metrics (Prometheus text).
+Routes: POST /v1/completions (also `logprobs`, `echo`: systems/openai_logprobs.py), POST /v1/chat/completions
+(`stream`, `stream_options.include_usage`, vLLM's `ignore_eos`), GET /v1/models, GET /health (JSON counters),
+GET /metrics (Prometheus text).
 
 One background thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and
 aborts from an inbox, steps while any request exists, and hands each step's new tokens to the request's asyncio
@@ -41,9 +42,10 @@ from typing import Any
 from aiohttp import web
 
 from systems import openai_api as api
-from systems.base import GenerationRequest
 from systems.engine_loop import EngineLoop, Live
 from systems.openai_api import ApiError, Detokenizer, Params, parse_body
+from systems.openai_logprobs import ChoiceText
+from systems.openai_logprobs import merge as merge_logprobs
 
 log = logging.getLogger("kvharness.server")
 OUTCOMES = ("completed", "rejected", "invalid", "too_large", "failed", "aborted")
@@ -171,25 +173,13 @@ class OpenAIServer:
         finally:
             self.counts[outcome[0]] += 1
 
-    async def _read(self, request: web.Request) -> bytes:
-        """The body, refused with 413 from its Content-Length or as soon as a chunked body passes the limit."""
-        declared = request.content_length
-        if declared is not None and declared > self.max_body_bytes:
-            raise ApiError(f"the request body has {declared} bytes, more than this server's limit of "
-                           f"{self.max_body_bytes}; shorten the prompt", status=413)
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise ApiError(f"the request body passed this server's limit of {self.max_body_bytes} bytes; "
-                           "shorten the prompt", status=413) from None
-
     def _parse(self, raw: bytes, chat: bool) -> Params:
         return parse_body(api.load_json(raw), chat, self.tokenizer, self.engine, self.model_name, self.max_chars)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float, outcome: list[str]
                      ) -> web.StreamResponse:
         try:
-            raw = await self._read(request)
+            raw = await api.read_body(request, self.max_body_bytes)
             params = await asyncio.get_running_loop().run_in_executor(self.workers, self._parse, raw, chat)
         except ApiError as err:
             outcome[0] = "too_large" if err.status == 413 else "invalid"
@@ -203,10 +193,7 @@ class OpenAIServer:
                             status=503, kind="server_overloaded").response(
                 headers={"Retry-After": str(self.retry_after_s)})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        live = Live(GenerationRequest(
-            request_id=rid, prompt_token_ids=params.prompt_ids, max_new_tokens=params.max_tokens,
-            temperature=params.temperature, top_p=params.top_p, seed=params.seed, ignore_eos=params.ignore_eos,
-            stop=params.stop, arrival_time=arrival), asyncio.get_running_loop())
+        live = Live(params.request(rid, arrival), asyncio.get_running_loop(), top_logprobs=params.logprobs or 0)
         self.in_flight += 1
         self.loop.submit(live)
         outcome[0] = "aborted"          # unless the response is written to the end (or the engine fails it)
@@ -220,8 +207,9 @@ class OpenAIServer:
             if not live.done:
                 self.loop.abort(live)
 
-    async def _events(self, live: Live, detok: Detokenizer) -> AsyncIterator[tuple[str, str | None]]:
-        """(text delta, finish_reason or None) per engine step; raises ApiError on an engine failure."""
+    async def _events(self, live: Live, detok: Detokenizer, choice: ChoiceText | None = None
+                      ) -> AsyncIterator[tuple[str, dict[str, list] | None, str | None]]:
+        """(text, logprobs or None, finish_reason or None) per engine step; raises ApiError on an engine failure."""
         while True:
             event = await live.events.get()
             if event[0] == "invalid":         # refused by the engine's own checks: it never joined a batch
@@ -230,18 +218,20 @@ class OpenAIServer:
             if event[0] == "error":           # this request's sequence failed; the others went on
                 live.done = True
                 raise ApiError(f"generation failed: {event[1]}", status=500, kind="internal_error")
-            _, ids, engine_finish = event
+            _, ids, engine_finish, entries, prompt = event
             delta = detok.push(ids, final=engine_finish is not None)
             finish = "stop" if detok.stopped else engine_finish
-            yield delta, finish
+            text, logprobs = (delta, None) if choice is None else await asyncio.get_running_loop().run_in_executor(
+                self.workers, choice.chunk, delta, ids, entries, prompt)   # echo + logprobs decode every token
+            yield text, logprobs, finish
             if finish is not None:
                 live.done = True
                 if engine_finish is None:      # a stop string the engine has not acted on yet
                     self.loop.abort(live)
                 return
 
-    def _usage(self, live: Live, detok: Detokenizer) -> dict:
-        return api.usage(len(live.request.prompt_token_ids), len(detok.ids))
+    def _usage(self, live: Live, detok: Detokenizer, params: Params) -> dict:
+        return api.usage(len(live.request.prompt_token_ids), len(detok.ids) if params.max_tokens else 0)
 
     def _chunk(self, live: Live, chat: bool, choices: list, use: dict | None = None) -> bytes:
         return api.sse_chunk(live.request.request_id, self.model_name, chat, choices, use)
@@ -253,12 +243,12 @@ class OpenAIServer:
         await resp.prepare(request)
         first = True
         try:
-            async for delta, finish in self._events(live, detok):
+            async for delta, logprobs, finish in self._events(live, detok, params.choice_text(self.tokenizer)):
                 if chat:
                     message = {"role": "assistant", "content": delta} if first else {"content": delta}
                     choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}
                 else:
-                    choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
+                    choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}
                 first = False
                 await resp.write(self._chunk(live, chat, [choice]))
         except ApiError as err:
@@ -266,28 +256,30 @@ class OpenAIServer:
             await resp.write(b"data: [DONE]\n\n")
             return resp, "invalid" if err.status < 500 else "failed"
         if params.include_usage:
-            await resp.write(self._chunk(live, chat, [], self._usage(live, detok)))
+            await resp.write(self._chunk(live, chat, [], self._usage(live, detok, params)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp, "completed"
 
     async def _collect(self, live: Live, params: Params, chat: bool) -> tuple[web.Response, str]:
         detok = Detokenizer(self.tokenizer, params.stop)
-        parts, finish = [], None
+        parts, scores, finish = [], [], None
         try:
-            async for delta, reason in self._events(live, detok):
+            async for delta, logprobs, reason in self._events(live, detok, params.choice_text(self.tokenizer)):
                 parts.append(delta)
+                scores += [logprobs] if logprobs is not None else []
                 finish = reason       # the last event's reason is the request's
         except ApiError as err:
             return err.response(), "invalid" if err.status < 500 else "failed"
         text = "".join(parts)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                    "finish_reason": finish} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+                  {"index": 0, "text": text, "logprobs": merge_logprobs(scores) if scores else None,
+                   "finish_reason": finish})
         return web.json_response({
             "id": live.request.request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": self._usage(live, detok)}), "completed"
+            "usage": self._usage(live, detok, params)}), "completed"
 
 
 # --- running it ----------------------------------------------------------------------------------------------------

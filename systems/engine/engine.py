@@ -88,6 +88,9 @@ class Engine:
         lp = request.logprob_steps
         if type(lp) is not int or lp < 0:
             raise ValueError(f"request {rid}: logprob_steps={lp!r} must be an integer >= 0")
+        top = request.prompt_logprobs
+        if top is not None and (type(top) is not int or not 0 <= top <= vocab):
+            raise ValueError(f"request {rid}: prompt_logprobs={top!r} must be None or an integer in [0, {vocab}]")
         try:
             check_sampling(request.temperature, request.top_p, request.seed)
         except ValueError as exc:

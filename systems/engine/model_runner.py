@@ -13,6 +13,9 @@ from systems.engine.models.llama import LlamaModel
 from systems.engine.sequence import Sequence
 from systems.policies.base import DecodeStep, Policy, SeqInfo
 
+# prompt rows per logits call when scoring a prompt: a whole 8k-token chunk at once would hold [8k, vocab] fp32
+PROMPT_SCORE_ROWS = 256
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel | None, kv: TieredKVCache, policy: Policy, attention_ops: Any,
@@ -70,9 +73,26 @@ class ModelRunner:
 
         tile = self.prefill_tile if chunks else self.decode_tile
         hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=tile)
+        for i, (seq, a, b) in enumerate(chunks):
+            if seq.request.prompt_logprobs is not None:
+                self._score_prompt(seq, a, b, hidden[bounds[i]:bounds[i + 1]])
         rows = list(range(len(decodes))) + [bounds[i + 1] - 1 for i, (s, _, b) in enumerate(chunks)
                                             if b == s.prefill_len]
         return self._model().logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], tile=self.decode_tile)
+
+    def _score_prompt(self, seq: Sequence, a: int, b: int, hidden: torch.Tensor) -> None:
+        """Prompt positions a..b-1 of one sequence scored from this prefill forward (dense: the policy evicts only
+        after the prompt's last chunk): log p of each next prompt token and the top-N, appended to
+        seq.prompt_logprobs. Positions already scored (a prefill again after a preemption) are skipped."""
+        top = seq.request.prompt_logprobs or 0
+        start, end = max(a, len(seq.prompt_logprobs)), min(b, seq.num_prompt_tokens - 1)
+        for lo in range(start, end, PROMPT_SCORE_ROWS):
+            hi = min(lo + PROMPT_SCORE_ROWS, end)
+            logp = torch.log_softmax(self._model().logits(hidden[lo - a:hi - a], tile=self.decode_tile), dim=-1)
+            target = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=logp.device)
+            own = logp.gather(1, target[:, None])[:, 0].cpu().tolist()
+            vals, ids = logp.topk(top, dim=-1)
+            seq.prompt_logprobs.extend(zip(own, ids.cpu().tolist(), vals.cpu().tolist()))
 
     def _prefill_layer(self, seq: Sequence, info: SeqInfo, layer: int, a: int, b: int, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,8 @@ class Sequence:
         self.token_logprobs: list[float] = []
         self.argmax_ids: list[int] = []
         self.logprob_rows: list[torch.Tensor] = []
+        # request.prompt_logprobs: per prompt position 1.. (log p of the token, top-N ids, top-N log p)
+        self.prompt_logprobs: list[tuple[float, list[int], list[float]]] = []
         self.generator: torch.Generator | None = None
         if request.temperature > 0:
             self.generator = torch.Generator().manual_seed(request.seed)
