@@ -11,14 +11,24 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, TypeVar
 
-from harness.experiments.accuracy.cells import AccuracyItem, cell_config, collect, fidelity_plans, run_accuracy_cell
+from harness.experiments.accuracy.cells import (
+    ROW_FIELDS,
+    AccuracyItem,
+    cell_config,
+    collect,
+    fidelity_plans,
+    fidelity_settings,
+    run_accuracy_cell,
+)
 from harness.experiments.accuracy.data import AccuracyData
-from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.params import REPORT_PARAMS, AccuracyParams
 from harness.experiments.accuracy.sections import cells_seconds, standard_sections
+from harness.measuring.fidelity import FOLDER, reference_problems
 from harness.reporting import tables
 from harness.reporting.summary import cell_envs
 from harness.running.cells import StoredCell
 from harness.running.config import UserError
+from harness.running.damage import METRICS, PREDICTIONS, Damage
 from harness.running.experiment import Cell, Experiment, Run
 from harness.running.grid import GridCell, by_budget, with_task_params
 from harness.running.store import CellStore
@@ -31,6 +41,8 @@ class AccuracyExperiment(Experiment[AP]):
 
     params_type: ClassVar[type] = AccuracyParams
     system_defaults: ClassVar[dict[str, Any]] = {"engine": {"batch_invariant": True}}
+    report_params: ClassVar[frozenset[str]] = REPORT_PARAMS
+    row_fields: ClassVar[tuple[str, ...]] = ROW_FIELDS
 
     # ---- what a kind may change ------------------------------------------------------------------------------------
     def grid(self, run: Run[AP]) -> tuple[list[GridCell], list[str]]:
@@ -48,6 +60,19 @@ class AccuracyExperiment(Experiment[AP]):
         raise NotImplementedError
 
     # ---- the experiment interface ----------------------------------------------------------------------------------
+    def check(self, run: Run[AP]) -> None:
+        fidelity_settings(run.cfg)
+
+    def damage(self, run: Run[AP], store: CellStore) -> Damage:
+        """Also a reference cell's stored log-probs, and a finished cell holding fewer rows than its metrics count."""
+        damage = super().damage(run, store)
+        damage.problems += reference_problems(store.root / FOLDER)
+        metrics = store.metrics() if not damage and (store.root / METRICS).is_file() else {}
+        n, rows = metrics.get("n"), len(store.rows(self.row_fields))
+        if metrics.get("complete") and isinstance(n, int) and n != rows:
+            damage.problems.append(f"{METRICS}: n={n}, but {PREDICTIONS} holds {rows} row(s)")
+        return damage
+
     def cells(self, run: Run[AP]) -> list[Cell]:
         grid, labels = self.grid(run)
         plans = fidelity_plans(run.cfg, grid, labels, run.params.reference, run.out_dir)
@@ -71,7 +96,7 @@ class AccuracyExperiment(Experiment[AP]):
 
     def report(self, run: Run[AP], cells: list[Cell]) -> dict[str, str]:
         mine = [c.item for c in cells if isinstance(c.item, AccuracyItem)]
-        found = collect(run, [i.grid for i in mine], [i.label for i in mine], self.label_of)
+        found = collect(run, [i.grid for i in mine], [i.label for i in mine], self.label_of, self.report_params)
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
         return self.write_summary(run, *found)
