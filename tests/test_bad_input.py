@@ -214,7 +214,7 @@ def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llam
     cfg = _compose(["+exp=quickstart", "exp.systems=[dense]", f"model.path={tiny_llama_dir}",
                     f"results_dir={blocker / 'results'}",
                     "model.dtype=float32"])
-    with pytest.raises(UserError, match="results_dir=.* is not writable") as info:
+    with pytest.raises(UserError, match="results folder .* is not writable") as info:
         run(cfg)
     assert "\n" not in str(info.value)
 
