@@ -66,9 +66,10 @@ def precheck(argv: list[str]) -> None:
     options = [a for a in unknown if a.startswith("-")]
     if options:
         fail(f"unknown option(s) {options}; see `python -m harness --help` (and --hydra-help for Hydra's)")
-    if unknown:                             # Hydra's parser stops reading overrides at an option with a value
-        fail(f"{unknown} come after an option's value, where Hydra does not read them; put every key=value before "
-             "the options (e.g. `python -m harness +exp=quickstart seed=1 --cfg job`)")
+    if unknown:                             # Hydra's parser reads the overrides as one group, not between options
+        fail(f"{unknown} are split from the other key=value overrides by an option, where Hydra does not read them; "
+             "put every key=value together before the options (e.g. `python -m harness +exp=quickstart seed=1 "
+             "--cfg job`)")
     if args.help or args.hydra_help or args.shell_completion or args.info or args.experimental_rerun:
         return                              # Hydra answers these itself and runs nothing
     config_dir = Path(args.config_path) if args.config_path else CONF_DIR
