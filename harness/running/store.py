@@ -162,7 +162,7 @@ class CellStore:
         except FileNotFoundError:
             return []
         out, seen = [], set()
-        for line in data.split(b"\n"):
+        for line in data.split(b"\n")[:-1]:      # after the last newline: nothing, or a write a crash cut short
             row, _ = row_problem(line, fields)
             if row is not None and row["id"] not in seen:
                 seen.add(row["id"])

@@ -67,7 +67,9 @@ class AccuracyExperiment(Experiment[AP]):
         """Also a reference cell's stored log-probs, and a finished cell holding fewer rows than its metrics count."""
         damage = super().damage(run, store)
         damage.problems += reference_problems(store.root / FOLDER)
-        metrics = store.metrics() if not damage and (store.root / METRICS).is_file() else {}
+        if damage or not (store.root / METRICS).is_file() or not store.predictions_path.is_file():
+            return damage                   # a cell that stores no rows (quickstart's throughput cell) counts none
+        metrics = store.metrics()
         n, rows = metrics.get("n"), len(store.rows(self.row_fields))
         if metrics.get("complete") and isinstance(n, int) and n != rows:
             damage.problems.append(f"{METRICS}: n={n}, but {PREDICTIONS} holds {rows} row(s)")
