@@ -24,6 +24,25 @@ def grid_args(model_dir, results, budgets="[64]", systems="[dense,snapkv]"):
             f"model.path={model_dir}", f"results_dir={results}", *TOY]
 
 
+@pytest.fixture(autouse=True)
+def no_hydra_leftovers():
+    """An in-process `python -m harness` leaves Hydra's run config and log handlers behind; later tests compose
+    without Hydra's app (its group choices would leak into their cell keys)."""
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory, tiny_llama_dir):
     results = tmp_path_factory.mktemp("finished") / "results"
