@@ -214,7 +214,7 @@ def test_unwritable_results_dir_is_one_line_before_any_model(tmp_path, tiny_llam
     cfg = _compose(["+exp=quickstart", "exp.systems=[dense]", f"model.path={tiny_llama_dir}",
                     f"results_dir={blocker / 'results'}",
                     "model.dtype=float32"])
-    with pytest.raises(UserError, match="results_dir=.* is not writable") as info:
+    with pytest.raises(UserError, match="results folder .* is not writable") as info:
         run(cfg)
     assert "\n" not in str(info.value)
 
@@ -237,3 +237,53 @@ def test_speed_experiments_refuse_a_too_small_pool_before_loading(exp, tmp_path,
         run(cfg)
     assert "\n" not in str(info.value)
     assert not any(p.is_dir() for p in (tmp_path / "results").glob("*/*"))      # no cell folder was made
+
+
+def test_a_damaged_cached_checkpoint_is_named_and_rebuilt(tmp_path, monkeypatch, caplog):
+    """The README's promise: a corrupted cache is rebuilt; the warning names what is damaged, and the dimension
+    checks made before any model loads wait for the rebuild instead of failing on the broken config.json."""
+    from harness.integrations import assets
+    monkeypatch.setenv("KVHARNESS_CACHE", str(tmp_path))
+    folder = tmp_path / assets.MODEL_NAME
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    (folder / assets.MARKER).write_text(json.dumps({"files": assets._fingerprint(folder)}))
+    assert assets.known_model_dir() == folder
+    (folder / "config.json").write_text('{"num_hidden_layers": 30,\n "hidden')
+    assert assets.known_model_dir() is None
+
+    def convert(out, progress):
+        (out / "config.json").write_text(json.dumps(SMOLLM2_SHAPE))
+    monkeypatch.setattr(assets, "_convert", convert)
+    assert assets.prepare(progress=False) == folder
+    assert "config.json differs from what verified.json recorded; rebuilding it" in caplog.text
+    assert assets.is_verified(folder) and json.loads((folder / "config.json").read_text()) == SMOLLM2_SHAPE
+
+
+def test_an_unwritable_model_cache_is_one_line(tmp_path, monkeypatch):
+    from harness.integrations import assets
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("KVHARNESS_CACHE", str(tmp_path / "a_file" / "cache"))
+    with pytest.raises(assets.AssetError, match="set KVHARNESS_CACHE to a folder you can write") as info:
+        assets.prepare(progress=False)
+    assert "\n" not in str(info.value)
+
+
+def test_a_held_build_lock_names_its_holder_not_a_compiler(tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from systems.engine.ops import cpu_kernels
+    monkeypatch.setenv("KVHARNESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "BUILD_WAIT_S", 0.2)
+    folder = cpu_kernels.build_dir()
+    folder.mkdir(parents=True)
+    with open(folder / "kvharness.lock", "a+") as holder:          # another build in progress: this process's pid
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        holder.write(str(os.getpid()))
+        holder.flush()
+        with pytest.raises(cpu_kernels.BuildLockHeld) as info:
+            cpu_kernels._build()
+    message = f"{info.value} {cpu_kernels.build_fix(info.value)}"
+    assert f"process {os.getpid()} still holds" in message and f"kill {os.getpid()}" in message
+    assert "KVHARNESS_BUILD_WAIT_S" in message and "gcc" not in message and "compiler" not in message

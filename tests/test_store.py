@@ -1,5 +1,6 @@
 """Store: atomic rows, resume after a crash (torn last line, duplicates), completion marker."""
 import json
+import shutil
 
 from harness.running.store import CellStore, atomic_write_json
 
@@ -88,3 +89,58 @@ def test_code_hash_follows_source_files_not_docs(tmp_path):
     assert code_hash(tmp_path) == first
     (tmp_path / "systems" / "k.cpp").write_text("int y;")
     assert code_hash(tmp_path) != first
+
+
+def _finished_cell(tmp_path, rows=("s0", "s1")):
+    from harness.running.envinfo import static_env
+    cell = CellStore(tmp_path / "c")
+    cell.open("model: m\n", static_env())
+    cell.append(_rows(rows))
+    cell.write_metrics({"n": len(rows)})
+    return cell
+
+
+def test_what_a_crash_leaves_is_not_damage_but_anything_else_is(tmp_path):
+    """A torn last line (or a repeated row) in an unfinished cell is a crash's, which opening repairs; in a finished
+    cell, and anywhere a line that is no row, it is damage named by file and line."""
+    cell = CellStore(tmp_path / "c")
+    cell.open("model: m\n", {"git_sha": "x"})
+    cell.append(_rows(["s0", "s0"]))
+    with open(cell.predictions_path, "a") as f:
+        f.write('{"id": "s1", "sco')
+    assert not cell.damage()
+    cell.write_metrics({"n": 1})
+    assert cell.damage().problems == ["predictions.jsonl line 2: id 's0' repeats line 1",
+                                      "predictions.jsonl line 3: cut off (no newline) in a finished cell"]
+    assert [r["id"] for r in cell.rows()] == ["s0"]                     # read once, never raised on
+
+
+def test_every_file_of_a_cell_is_checked(tmp_path):
+    cases = [("predictions.jsonl", b'{"id": "s0"}\n\xff\xfe\n', "predictions.jsonl line 2: not UTF-8"),
+             ("predictions.jsonl", b'{"id": "s0"}\n[1, 2]\n', "predictions.jsonl line 2: a JSON list"),
+             ("predictions.jsonl", b'{"score": 1}\n', "predictions.jsonl line 1: row without ['id']"),
+             ("metrics.json", b'{"complete": tr', "metrics.json line 1: not valid JSON"),
+             ("metrics.json", b'[]', "metrics.json: holds a list"),
+             ("env.json", b'\xff', "env.json: not UTF-8"),
+             ("config.yaml", b'a: [1\n', "config.yaml line 2: not valid YAML"),
+             ("config.yaml", b'- a\n', "config.yaml: holds list")]
+    for name, data, problem in cases:
+        cell = _finished_cell(tmp_path)
+        (cell.root / name).write_bytes(data)
+        damage = cell.damage()
+        assert damage.problems and damage.problems[0].startswith(problem), (name, damage.problems)
+        assert damage.line().startswith("cell c is damaged: " + problem)
+        cell.rows()                                                      # readable rows only, never an exception
+        shutil.rmtree(cell.root)
+    cell = _finished_cell(tmp_path)
+    assert not cell.damage() and cell.damage(("id", "score")).bad_rows == 0
+    assert cell.damage(("id", "meta")).problems[0] == "predictions.jsonl line 1: row without ['meta']"
+
+
+def test_asking_about_a_stale_cell_moves_nothing(tmp_path):
+    """Only the driver moves a folder aside, once every check of the run has passed."""
+    cell = _finished_cell(tmp_path)
+    other = CellStore(tmp_path / "c")
+    assert other.stale_reason("model: other\n") == "made with another model, system, task or seed"
+    assert not other.is_complete("model: other\n") and other.is_complete("model: m\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["c"] and cell.done_ids() == {"s0", "s1"}

@@ -20,7 +20,7 @@ import numpy as np
 
 from harness.experiments.accuracy import AccuracyExperiment
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate, same_budget
-from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.params import REPORT_PARAMS, AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
@@ -39,6 +39,7 @@ class Params(AccuracyParams):
 
 class BudgetSweep(AccuracyExperiment[Params]):
     params_type = Params
+    report_params = REPORT_PARAMS | {"contexts"}
 
     def grid(self, run: Run[Params]) -> tuple[list[GridCell], list[str]]:
         if not run.params.budgets:

@@ -86,8 +86,8 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], acc: li
     cfg, p, out_dir = run.cfg, run.params, run.out_dir
     reference = p.reference or labels[0]
     data = AccuracyData(cells, labels, rows_by_cell, p.min_reference_score)
-    tput = [CellStore(out_dir / c.key).metrics() for c in throughput_cells(run)
-            if (out_dir / c.key / "metrics.json").is_file()]
+    # a damaged throughput cell is left out here and named by the summary's damage note
+    tput = [{k: v for k, v in m.items() if k != "_env"} for c in throughput_cells(run) if (m := run.stored(c.key))]
     budget = p.budget
     ref_tp = next((t for t in tput if t["system"] == reference), None)
     for t in tput:

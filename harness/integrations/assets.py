@@ -49,15 +49,37 @@ def _fingerprint(folder: Path) -> dict[str, dict]:
             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MARKER}
 
 
-def is_verified(folder: Path) -> bool:
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why a converted checkpoint cannot be used as it is (its files differ from what verified.json recorded, or the
+    verification never finished), or None."""
     marker = folder / MARKER
     if not marker.is_file():
-        return False
+        return f"{MARKER} is missing (the conversion did not finish)"
     try:
         recorded = json.loads(marker.read_text())["files"]
-    except (ValueError, KeyError):
-        return False
-    return recorded == _fingerprint(folder)
+        assert isinstance(recorded, dict)
+    except (ValueError, KeyError, TypeError, AssertionError, OSError):
+        return f"{MARKER} is unreadable"
+    now = _fingerprint(folder)
+    changed = sorted(name for name in set(recorded) | set(now) if recorded.get(name) != now.get(name))
+    return f"{', '.join(changed)} differ{'s' if len(changed) == 1 else ''} from what {MARKER} recorded" if changed \
+        else None
+
+
+def is_verified(folder: Path) -> bool:
+    return checkpoint_problem(folder) is None
+
+
+def config_problem(folder: Path) -> str | None:
+    """Why a model folder's config.json cannot be read as a model config (naming the file and line), or None."""
+    path = folder / "config.json"
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"{path} is unreadable ({exc})"
+    except ValueError as exc:
+        return f"{path} line {getattr(exc, 'lineno', 1)} is not valid JSON ({getattr(exc, 'msg', exc)})"
+    return None if isinstance(value, dict) else f"{path} holds no JSON object"
 
 
 def _package_dir(package: str, fix: str) -> Path:
@@ -133,27 +155,42 @@ def _verify(folder: Path, tokenizer: Any, model: Any) -> None:
 
 
 def prepare(progress: bool = True) -> Path:
-    """Return the verified checkpoint folder, converting (or rebuilding a broken one) when needed."""
+    """Return the verified checkpoint folder, converting (or rebuilding a broken one, saying what is broken) when
+    needed."""
     out = cache_root() / MODEL_NAME
-    if is_verified(out):
+    why = checkpoint_problem(out) if out.exists() else None
+    if out.exists() and why is None:
         return out
-    if out.exists():
-        log.warning("%s is incomplete or corrupted; rebuilding", out)
-        shutil.rmtree(out)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    _convert(tmp, progress)
-    (tmp / MARKER).write_text(json.dumps({"source": GGUF_FILE, "files": _fingerprint(tmp)}, indent=1))
-    tmp.rename(out)
+    try:
+        if out.exists():
+            log.warning("%s is damaged: %s; rebuilding it from the GGUF", out, why)
+            shutil.rmtree(out)
+        tmp = out.with_name(out.name + ".partial")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        _convert(tmp, progress)
+        (tmp / MARKER).write_text(json.dumps({"source": GGUF_FILE, "files": _fingerprint(tmp)}, indent=1))
+        tmp.rename(out)
+    except OSError as exc:
+        raise AssetError(f"cannot write the model cache {out.parent} ({exc.strerror or exc}); set KVHARNESS_CACHE "
+                         "to a folder you can write") from None
     return out
 
 
 def known_model_dir(path: str | None = None) -> Path | None:
     """The model folder when it is there already (the embedded one converted, or an explicit path with a
-    config.json), without preparing anything; None otherwise. Enough to read the model's dimensions."""
+    config.json), without preparing anything; None otherwise. Enough to read the model's dimensions. An embedded
+    checkpoint whose config.json is damaged counts as not there (prepare() names the file and rebuilds it); an
+    explicit folder's damaged config.json is an error naming the file."""
     folder = Path(path).expanduser() if path else cache_root() / MODEL_NAME
-    return folder if (folder / "config.json").is_file() else None
+    if not (folder / "config.json").is_file():
+        return None
+    why = config_problem(folder)
+    if why is None:
+        return folder
+    if path is None:
+        return None
+    raise AssetError(f"model.path={path}: {why}; restore the model's config.json")
 
 
 def model_dir(path: str | None = None) -> Path:
@@ -163,6 +200,9 @@ def model_dir(path: str | None = None) -> Path:
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise AssetError(f"model.path={path} has no config.json: point it at a local HF safetensors folder")
+    why = config_problem(p)
+    if why is not None:
+        raise AssetError(f"model.path={path}: {why}; restore the model's config.json")
     return p
 
 

@@ -67,12 +67,51 @@ def save_reference(folder: Path, sample_id: str, token_ids: Sequence[int], logpr
     tmp.replace(path)
 
 
+class ReferenceFileError(ValueError):
+    """A stored reference log-prob file that cannot be read; the message names the file."""
+
+
+def reference_file_problem(path: Path) -> str | None:
+    """Why a stored reference file cannot be used, or None. Memory-mapped, so only its structure is read (a file
+    cut short has lost its zip directory and fails here), not its 6 MB of numbers."""
+    try:
+        try:
+            data = torch.load(path, weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            data = torch.load(path, weights_only=True)   # an old-format file cannot be mapped: read it whole
+    except Exception as exc:  # noqa: BLE001 - torch raises several types for a damaged archive
+        return f"unreadable ({_first_line(exc)})"
+    if not isinstance(data, dict) or not isinstance(data.get("id"), str) or not isinstance(data.get("ids"), list):
+        return "not a reference record (id, ids, logprobs)"
+    lp = data.get("logprobs")
+    if not isinstance(lp, torch.Tensor) or lp.dim() != 2:
+        return "its logprobs are not a steps x vocabulary tensor"
+    return None
+
+
+def reference_problems(folder: Path) -> list[str]:
+    """`reference_logprobs/<file>: <why>` for each damaged file in a reference cell's folder of log-probs."""
+    return [f"{FOLDER}/{path.name}: {why}" for path in sorted(Path(folder).glob("*.pt"))
+            if (why := reference_file_problem(path))]
+
+
 def load_reference(folder: Path, sample_id: str) -> dict | None:
     path = _path(folder, sample_id)
     if not path.is_file():
         return None
-    data = torch.load(path, weights_only=True)
-    return data if data.get("id") == sample_id else None
+    try:
+        data = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - checked before the run: damaged since, from outside the harness
+        raise ReferenceFileError(f"{path}: unreadable ({_first_line(exc)}); rerun the experiment to recompute its "
+                                 f"reference cell {folder.parent.name}") from None
+    return data if isinstance(data, dict) and data.get("id") == sample_id else None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return type(exc).__name__ + (f": {text[0].split('. ')[0][:120]}" if text else "")
 
 
 def compare(ref_ids: Sequence[int], ref_logprobs: torch.Tensor, argmax_ids: Sequence[int],

@@ -6,6 +6,7 @@ job ends last sees every finished cell), or by `python -m harness.report`.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from harness.running.damage import CONFIG, ENV, METRICS, ROW_FIELDS, set_aside
 from harness.running.envinfo import code_identity, static_env
 from harness.running.store import CellStore
 
@@ -35,34 +37,47 @@ class StoredCell:
     def task(self) -> DictConfig:
         return OmegaConf.create(self.config.get("task") or {"name": None})
 
-    def rows(self) -> list[dict]:
-        return CellStore(self.root).rows()
+    def rows(self, fields: Sequence[str] = ROW_FIELDS) -> list[dict]:
+        return CellStore(self.root).rows(fields)
 
 
-def exp_block(cfg: DictConfig) -> dict:
-    """The experiment block as stored in a cell's config.yaml (resolved, plain data)."""
-    return yaml.safe_load(OmegaConf.to_yaml(cfg.exp, resolve=True))
+def exp_block(cfg: DictConfig, report_params: Iterable[str] = ()) -> dict:
+    """The experiment block as stored in a cell's config.yaml (resolved, plain data), without `report_params`."""
+    return without_report_params(yaml.safe_load(OmegaConf.to_yaml(cfg.exp, resolve=True)), report_params)
 
 
-def finished(out_dir: Path, exp: dict | None = None, same_code: bool = True) -> list[StoredCell]:
-    """Complete cells under out_dir (stale folders skipped), optionally only those made with the experiment block
-    `exp` and with the code running now."""
+def without_report_params(exp: Any, report_params: Iterable[str]) -> Any:
+    """An experiment block with the exp.params that change only the summary dropped (a cell is the same cell
+    whatever they were when it ran)."""
+    if not isinstance(exp, dict) or not isinstance(exp.get("params"), dict):
+        return exp
+    drop = set(report_params)
+    return {**exp, "params": {k: v for k, v in exp["params"].items() if k not in drop}}
+
+
+def finished(out_dir: Path, exp: dict | None = None, same_code: bool = True,
+             report_params: Iterable[str] = ()) -> list[StoredCell]:
+    """Complete, readable cells under out_dir (folders set aside skipped; a damaged one is left to the summary's
+    damage note), optionally only those made with the experiment block `exp` (compared without `report_params`)
+    and with the code running now."""
     out: list[StoredCell] = []
     if not Path(out_dir).is_dir():
         return out
     now = code_identity(static_env())
     for folder in sorted(Path(out_dir).iterdir()):
-        if not folder.is_dir() or ".stale-" in folder.name:
+        if not folder.is_dir() or set_aside(folder):
             continue
         try:
-            metrics = json.loads((folder / "metrics.json").read_text())
-            config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
-            env = json.loads((folder / "env.json").read_text())
-        except (OSError, ValueError):
+            metrics = json.loads((folder / METRICS).read_text(encoding="utf-8"))
+            config = yaml.safe_load((folder / CONFIG).read_text(encoding="utf-8")) or {}
+            env = json.loads((folder / ENV).read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        if not (isinstance(metrics, dict) and isinstance(config, dict) and isinstance(env, dict)):
             continue
         if not metrics.get("complete"):
             continue
-        if exp is not None and config.get("exp") != exp:
+        if exp is not None and without_report_params(config.get("exp"), report_params) != exp:
             continue
         if same_code and code_identity(env) != now:
             continue
@@ -77,11 +92,14 @@ def cell_config(cfg: DictConfig, **parts: Any) -> DictConfig:
 
 
 def stored_metrics(out_dir: Path, key: str) -> dict | None:
-    """A complete cell's metrics with its env record attached as `_env` (for provenance), or None."""
+    """A complete cell's metrics with its env record attached as `_env` (for provenance), or None (a damaged cell:
+    the summary's damage note names it)."""
     root = Path(out_dir) / key
     try:
-        metrics = json.loads((root / "metrics.json").read_text())
-        env = json.loads((root / "env.json").read_text())
+        metrics = json.loads((root / METRICS).read_text(encoding="utf-8"))
+        env = json.loads((root / ENV).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+    if not isinstance(metrics, dict) or not isinstance(env, dict):
         return None
     return {**metrics, "_env": env} if metrics.get("complete") else None

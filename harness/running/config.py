@@ -88,16 +88,44 @@ def check_model_lengths(cfg: DictConfig) -> None:
                         f"{cfg.model.max_model_len})")
 
 
+def check_paths(cfg: DictConfig) -> Path:
+    """results_dir and exp.name name a folder inside results_dir, or fail in one line; returns that folder. An empty
+    name once wrote cells into the results root, `..` or an absolute name outside it, an empty results_dir into
+    `./default` of the working folder."""
+    results = str(cfg.get("results_dir") or "").strip()
+    if not results:
+        raise UserError("results_dir is empty: set it to the folder results go to (default: results)")
+    if ".." in Path(results).parts:
+        raise UserError(f"results_dir={results!r} contains '..': give the folder without it (an absolute path is "
+                        "fine)")
+    name = str(cfg.exp.get("name") or "").strip()
+    if not name:
+        raise UserError("exp.name is empty: name the experiment's folder under results_dir (e.g. exp.name=my_run)")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or ".." in parts or set(parts) <= {"."} or name != str(cfg.exp.name):
+        raise UserError(f"exp.name={cfg.exp.name!r} must be a folder name inside results_dir (no '..', not absolute, "
+                        "no surrounding spaces), e.g. exp.name=my_run")
+    return Path(results) / name
+
+
 def check_writable(out_dir: Path) -> None:
-    """The results folder can be written, checked before any model loads (a probe file, removed at once)."""
+    """The results folder can be written, checked before any model loads by a probe file; the probe and any folder
+    made for it are removed at once, so a run that fails later leaves no trace in results_dir."""
+    made = [folder for folder in (out_dir, *out_dir.parents) if not folder.exists()]     # deepest first
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".write-probe-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"results_dir={out_dir.parent} is not writable ({exc.strerror or exc}); set results_dir to "
-                        "a folder you can write") from None
+        raise UserError(f"the results folder {out_dir} is not writable ({exc.strerror or exc}); set results_dir to a "
+                        "folder you can write") from None
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def quiet_libraries(level: str) -> None:

@@ -19,7 +19,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 
 from harness.integrations.tracking import Tracker, tracker_for
 from harness.reporting.summary import print_paths
+from harness.running import damage as damage_lib
 from harness.running import params as params_lib
 from harness.running.config import (
     USER_ERRORS,
@@ -34,6 +36,7 @@ from harness.running.config import (
     check_dtype,
     check_model_lengths,
     check_no_extra_keys,
+    check_paths,
     check_writable,
     pin_dtype,
     quiet_libraries,
@@ -79,6 +82,7 @@ def find_experiment(kind: str) -> Experiment[Any]:
 
 def prepare(cfg: DictConfig, same_code: bool = True) -> tuple[Experiment[Any], Run[Any]]:
     """The experiment and its run context: dtype pinned, grid resolved, params parsed, everything validated."""
+    out_dir = check_paths(cfg)
     pin_dtype(cfg)
     experiment = find_experiment(cfg.exp.kind)
     grid = resolve_cells(cfg, experiment.system_defaults)
@@ -90,7 +94,7 @@ def prepare(cfg: DictConfig, same_code: bool = True) -> tuple[Experiment[Any], R
         raise UserError(str(exc)) from None
     validate_cells(cfg, grid)
     check_model_lengths(cfg)
-    run = Run(cfg, params, grid, Path(cfg.results_dir) / cfg.exp.name, Workspace(cfg), same_code)
+    run = Run(cfg, params, grid, out_dir, Workspace(cfg), same_code)
     experiment.check(run)
     return experiment, run
 
@@ -115,12 +119,17 @@ def drive(experiment: Experiment[Any], run: Run[Any], tracker: Tracker | None = 
     try:
         cells = experiment.cells(run)
         pending: list[tuple[Cell, CellStore, int]] = []
+        set_aside: list[Callable[[], object]] = []     # moves, made only once every check below has passed
         for cell in cells:
             store = CellStore(run.out_dir / cell.key)
-            if experiment.is_complete(run, cell, store):
+            move = set_aside_move(experiment, run, cell, store)
+            if move is None and experiment.is_complete(run, cell, store):
                 metrics[cell.key] = store.metrics()
-            else:
-                pending.append((cell, store, experiment.plan_cell(run, cell, store)))
+                continue
+            done = experiment.plan_cell(run, cell, store)
+            if move is not None:
+                set_aside.append(move)
+            pending.append((cell, store, 0 if move is not None else done))
         for cell, _, _ in pending:
             if cell.system is None:
                 continue
@@ -129,6 +138,8 @@ def drive(experiment: Experiment[Any], run: Run[Any], tracker: Tracker | None = 
                 raise UserError(f"system {cell.system.name!r}: {why}, or drop it from the systems")
             if cell.fits is not None:
                 run.workspace.check_fits(cell.system, *cell.fits, policy=cell.policy)
+        for move in set_aside:
+            move()
         run.progress = RunProgress(len(cells), sum(c.units - done for c, _, done in pending),
                                    enabled=run.cfg.progress)
         try:
@@ -179,6 +190,21 @@ def sweep_job() -> bool:
         return False
 
 
+def set_aside_move(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellStore
+                   ) -> Callable[[], object] | None:
+    """How the cell's folder is moved aside before the cell runs again (damaged, or made by other code or with
+    another config), or None when it is reused or resumed; with recompute_damaged=false damage stops the run."""
+    damage = experiment.damage(run, store)
+    if damage:
+        if not run.cfg.get("recompute_damaged", True):
+            raise UserError(f"{damage.line()} (under {run.out_dir}); move that folder aside, or rerun with "
+                            "recompute_damaged=true to recompute the cell")
+        return lambda: store.move_aside(f"damaged-{time.strftime('%Y%m%d-%H%M%S')}", damage.line())
+    if store.stale_reason(cell.config_yaml()) is not None:
+        return lambda: store.retire_if_stale(cell.config_yaml())
+    return None
+
+
 def run_one(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellStore, done: int) -> dict:
     """One cell: its folder opened (a stale one moved aside, a torn row cut), the work, its metrics written."""
     assert run.progress is not None
@@ -195,8 +221,19 @@ def run_one(experiment: Experiment[Any], run: Run[Any], cell: Cell, store: CellS
 def summarize(experiment: Experiment[Any], run: Run[Any], cells: list[Cell] | None = None,
               tracker: Tracker | None = None) -> dict[str, str]:
     """The experiment's summary from the cells on disk, logged to the run's tracker (default: the one its config
-    names) and printed last; returns the paths written."""
-    paths = experiment.report(run, cells if cells is not None else experiment.cells(run))
+    names) and printed last; returns the paths written. Damage in the results folder is stated in the summary (and
+    warned about), never left out quietly."""
+    cells = cells if cells is not None else experiment.cells(run)
+    folders = sorted(run.out_dir.iterdir()) if run.out_dir.is_dir() else []
+    unreadable = [damage for folder in folders if folder.is_dir() and not damage_lib.set_aside(folder)
+                  and (damage := experiment.damage(run, CellStore(folder)))]
+    for damage in unreadable:
+        log.warning("%s; this summary leaves it out (a run of the experiment moves it aside and recomputes it)",
+                    damage.line())
+    if unreadable:
+        run.notes.append("Unreadable on disk and left out of this summary: " + "; ".join(
+            d.note() for d in unreadable) + ". A run of the experiment moves a damaged cell aside and recomputes it.")
+    paths = experiment.report(run, cells)
     tracker = tracker if tracker is not None else tracker_for(run.cfg)
     if tracker is not None:
         tracker.log_summary(run.out_dir, paths)

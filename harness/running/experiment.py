@@ -10,7 +10,10 @@ and summarizes them, asking the experiment four things:
 - `report(run, cells)`: the summary, built from what the cells stored on disk.
 
 Optional hooks: `check` (cheap validation before any work), `plan_cell` (finish a pending cell's plan, e.g. render
-its prompts, and say how much of it is on disk), `is_complete` (a cell whose completeness is not just its metrics).
+its prompts, and say how much of it is on disk), `is_complete` (a cell whose completeness is not just its metrics),
+`damage` (what is wrong with a cell's files, beyond what every store checks; `row_fields` are the fields every row it
+stores has). `report_params` names the exp.params that only change how the summary is written: changing them reuses
+every finished cell and rebuilds the summary, and a finished cell counts for the summary whatever their value was.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from omegaconf import DictConfig
 from harness.reporting.summary import Summary
 from harness.running.cells import stored_metrics
 from harness.running.config import dump_yaml
+from harness.running.damage import ROW_FIELDS, Damage
 from harness.running.grid import GridCell, left_out_of_budget
 from harness.running.params import GridParams
 from harness.running.progress import RunProgress
@@ -64,6 +68,7 @@ class Run(Generic[P]):
     same_code: bool = True                      # read only cells made by this code (False: a rebuild from disk)
     progress: RunProgress | None = None
     extra_systems: list[DictConfig] = field(default_factory=list)   # systems outside the grid (left-out notes)
+    notes: list[str] = field(default_factory=list)      # what the summary must say about what it read (damage)
 
     def advance(self, units: int) -> None:
         """Count `units` of the current cell as done (progress bar and ETA)."""
@@ -82,6 +87,8 @@ class Run(Generic[P]):
         left_out = left_out_of_budget([c.system for c in self.grid] + self.extra_systems) if budget else []
         if left_out:
             summary.note("Left out of the shared budget, run as configured: " + "; ".join(left_out) + ".")
+        for note in self.notes:
+            summary.note(note)
         return summary
 
 
@@ -89,6 +96,8 @@ class Experiment(Generic[P]):
     """Base of every experiment kind; see the module docstring for what a kind declares."""
 
     params_type: ClassVar[type] = GridParams      # its exp.params dataclass
+    report_params: ClassVar[frozenset[str]] = frozenset()   # exp.params that change only the summary
+    row_fields: ClassVar[tuple[str, ...]] = ROW_FIELDS      # fields every row of its predictions.jsonl has
     # merged into every system of the grid before its cells are keyed, on the settings its backend honours
     system_defaults: ClassVar[Mapping[str, Any]] = {}
 
@@ -106,6 +115,11 @@ class Experiment(Generic[P]):
     def is_complete(self, run: Run[P], cell: Cell, store: CellStore) -> bool:
         """Whether the cell's results on disk are complete and made by this code with this config."""
         return store.is_complete(cell.config_yaml())
+
+    def damage(self, run: Run[P], store: CellStore) -> Damage:
+        """What is wrong with a cell folder's files (falsy: nothing), checked before the folder is reused, resumed
+        or summarized; a kind that stores more files extends it."""
+        return store.damage(self.row_fields)
 
     def run_cell(self, run: Run[P], cell: Cell, store: CellStore) -> dict:
         """The work of one cell: its metrics (the driver writes them and marks the cell complete)."""

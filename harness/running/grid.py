@@ -237,8 +237,11 @@ def validate_cells(cfg: DictConfig, cells: list[GridCell]) -> None:
     for cell in cells:
         cell.policy = check_one_system(cfg, cell.system)
         t = cell.task
-        load_task(t.family, t.name, plain(t.params), seed=cfg.seed, limit=t.limit,
-                  fraction=t.fraction)
+        task = load_task(t.family, t.name, plain(t.params), seed=cfg.seed, limit=t.limit, fraction=t.fraction)
+        new_tokens = getattr(task.params, "max_new_tokens", None)      # the engine refuses < 1, hours later
+        if isinstance(new_tokens, (int, float)) and not isinstance(new_tokens, bool) and new_tokens < 1:
+            raise UserError(f"task {t.name!r}: task.params.max_new_tokens={new_tokens} must be a positive integer "
+                            "(tokens to generate per sample)")
 
 
 # ---- expansions an experiment kind applies ------------------------------------------------------------------------
@@ -259,10 +262,15 @@ def variant(cell: GridCell, system_params: dict | None = None, task_params: dict
 
 def with_task_params(cfg: DictConfig, cells: list[GridCell], per_task: Mapping[str, Any]) -> list[GridCell]:
     """Apply {task name: {param: value}} to the cells of the named tasks and validate the result before any work."""
-    known = {_name_in(path) for path in (CONF_DIR / "task").glob("*.yaml")}
-    unknown = sorted(set(per_task) - known - {c.task.name for c in cells})
+    name_of = {path.stem: _name_in(path) for path in (CONF_DIR / "task").glob("*.yaml")}
+    unknown = sorted(set(per_task) - set(name_of.values()) - {c.task.name for c in cells})
+    by_file = [f"{k!r} -> {name_of[k]!r}" for k in unknown if k in name_of]
+    if by_file:
+        raise UserError(f"exp.params.task_params is keyed by the task's `name`, not its conf/task file name: rename "
+                        f"the key(s) {', '.join(by_file)}")
     if unknown:   # a task of the files that is not in this grid is fine: narrowing exp.tasks keeps the yaml's entries
-        raise UserError(f"exp.params.task_params names unknown task(s) {unknown}; use task names of conf/task")
+        raise UserError(f"exp.params.task_params names unknown task(s) {unknown}; key it by a task's `name` (this "
+                        f"grid's: {sorted({c.task.name for c in cells})})")
     if not set(per_task) & {c.task.name for c in cells}:
         return cells
     out = [variant(c, task_params=dict(per_task[c.task.name])) if c.task.name in per_task else c for c in cells]

@@ -70,6 +70,7 @@ class Config:
     seed: int = 0
     results_dir: str = "results"
     progress: bool = True
+    recompute_damaged: bool = True       # a damaged cell folder is moved aside and run again; false: stop and name it
     library_log_level: str = "error"     # vLLM's, transformers' and torch's console messages at or above this level
     tracking: TrackingConfig = field(default_factory=TrackingConfig)   # `tracking=mlflow` logs cells and summaries
 

@@ -69,6 +69,10 @@ class Workspace:
                                 f"max_input_tokens={cfg.model.max_input_tokens}: raise model.max_input_tokens (and "
                                 "model.max_model_len above it) or drop the longest task.params.lengths")
             samples = task.samples(self.tokenizer)
+            short = next((s for s in samples if type(s.max_new_tokens) is not int or s.max_new_tokens < 1), None)
+            if short is not None:   # the engine would refuse it mid-run, after other cells were computed
+                raise UserError(f"task {task_cfg.name}: sample {short.id} asks for max_new_tokens="
+                                f"{short.max_new_tokens!r}; give the task a positive max_new_tokens")
             return task, samples, render_all(samples, self.tokenizer, cfg.model.max_input_tokens,
                                              cfg.model.max_model_len)
         return self.memo("task:" + OmegaConf.to_yaml(task_cfg), prepare)

@@ -14,16 +14,26 @@ from __future__ import annotations
 from typing import Any, ClassVar, TypeVar
 
 from harness.experiments.accuracy import ratio
-from harness.experiments.accuracy.cells import AccuracyItem, cell_config, collect, fidelity_plans, run_accuracy_cell
+from harness.experiments.accuracy.cells import (
+    ROW_FIELDS,
+    AccuracyItem,
+    cell_config,
+    collect,
+    fidelity_plans,
+    fidelity_settings,
+    run_accuracy_cell,
+)
 from harness.experiments.accuracy.data import AccuracyData
-from harness.experiments.accuracy.params import AccuracyParams
+from harness.experiments.accuracy.params import REPORT_PARAMS, AccuracyParams
 from harness.experiments.accuracy.reference import with_reference
 from harness.experiments.accuracy.samples import write_samples
 from harness.experiments.accuracy.sections import cells_seconds, standard_sections
+from harness.measuring.fidelity import FOLDER, reference_problems
 from harness.reporting import tables
 from harness.reporting.summary import cell_envs
 from harness.running.cells import StoredCell
 from harness.running.config import UserError
+from harness.running.damage import METRICS, PREDICTIONS, Damage
 from harness.running.experiment import Cell, Experiment, Run
 from harness.running.grid import GridCell, by_budget, with_task_params
 from harness.running.store import CellStore
@@ -36,6 +46,8 @@ class AccuracyExperiment(Experiment[AP]):
 
     params_type: ClassVar[type] = AccuracyParams
     system_defaults: ClassVar[dict[str, Any]] = {"engine": {"batch_invariant": True}}
+    report_params: ClassVar[frozenset[str]] = REPORT_PARAMS
+    row_fields: ClassVar[tuple[str, ...]] = ROW_FIELDS
 
     # ---- what a kind may change ------------------------------------------------------------------------------------
     def grid(self, run: Run[AP]) -> tuple[list[GridCell], list[str]]:
@@ -56,6 +68,19 @@ class AccuracyExperiment(Experiment[AP]):
     def check(self, run: Run[AP]) -> None:
         p = run.params
         ratio.check(p.compression_ratio, p.budget, p.budgets)
+        fidelity_settings(run.cfg)
+
+    def damage(self, run: Run[AP], store: CellStore) -> Damage:
+        """Also a reference cell's stored log-probs, and a finished cell holding fewer rows than its metrics count."""
+        damage = super().damage(run, store)
+        damage.problems += reference_problems(store.root / FOLDER)
+        if damage or not (store.root / METRICS).is_file() or not store.predictions_path.is_file():
+            return damage                   # a cell that stores no rows (quickstart's throughput cell) counts none
+        metrics = store.metrics()
+        n, rows = metrics.get("n"), len(store.rows(self.row_fields))
+        if metrics.get("complete") and isinstance(n, int) and n != rows:
+            damage.problems.append(f"{METRICS}: n={n}, but {PREDICTIONS} holds {rows} row(s)")
+        return damage
 
     def cells(self, run: Run[AP]) -> list[Cell]:
         grid, labels = with_reference(run, self.grid(run), self.grid, self.system_defaults)
@@ -87,7 +112,9 @@ class AccuracyExperiment(Experiment[AP]):
 
     def report(self, run: Run[AP], cells: list[Cell]) -> dict[str, str]:
         mine = [c.item for c in cells if isinstance(c.item, AccuracyItem)]
-        found = collect(run, [i.keyed() for i in mine], [i.label for i in mine], self.label_of)
+        r = run.params.compression_ratio
+        found = collect(run, [i.keyed() for i in mine], [i.label for i in mine], self.label_of, self.report_params,
+                        lambda g: cell_config(run.cfg, g, r if ratio.applies(g.system, r) else None))
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
         paths = self.write_summary(run, *found)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,14 @@ from omegaconf import DictConfig, OmegaConf
 from harness.experiments.accuracy.params import FIDELITY_DEFAULTS
 from harness.measuring import fidelity
 from harness.running import cells as cells_on_disk
-from harness.running.config import UserError, plain
+from harness.running.config import UserError, dump_yaml, plain
 from harness.running.experiment import Run
 from harness.running.grid import GridCell
-from harness.running.store import CellStore
+from harness.running.store import CellStore, same_cell
 from systems.base import GenerationRequest
 from systems.registry import backend_of
+
+ROW_FIELDS = ("id", "prediction", "score", "meta", "answers")     # what every accuracy row holds (summaries read)
 
 
 @dataclass
@@ -45,15 +47,27 @@ class AccuracyItem:
 
 
 def fidelity_settings(cfg: DictConfig) -> dict | None:
-    """exp.params.fidelity: false (off), true / absent (defaults) or {steps, gold}."""
+    """exp.params.fidelity: false (off), true / absent (defaults) or {steps, gold}: steps a positive integer, gold a
+    boolean. Anything else is refused: a number or zero steps once read as "on" or as "off" without a word."""
     value = cfg.exp.params.get("fidelity", True)
     if value is False or value is None:
         return None
-    extra = plain(value) if isinstance(value, DictConfig) else {}
-    unknown = sorted(set(extra or {}) - set(FIDELITY_DEFAULTS))
+    if value is True:
+        return dict(FIDELITY_DEFAULTS)
+    if not isinstance(value, DictConfig):
+        raise UserError(f"exp.params.fidelity={value!r}: use true, false or {{steps: N, gold: true|false}} "
+                        "(steps: how many reference positions are compared)")
+    extra = plain(value)
+    unknown = sorted(set(extra) - set(FIDELITY_DEFAULTS))
     if unknown:
         raise UserError(f"exp.params.fidelity: unknown key(s) {unknown}; valid: {sorted(FIDELITY_DEFAULTS)}")
-    return {**FIDELITY_DEFAULTS, **(extra or {})}
+    settings = {**FIDELITY_DEFAULTS, **extra}
+    if type(settings["steps"]) is not int or settings["steps"] < 1:
+        raise UserError(f"exp.params.fidelity.steps={settings['steps']!r} must be a positive integer (reference "
+                        "positions compared); to turn fidelity off, set exp.params.fidelity=false")
+    if not isinstance(settings["gold"], bool):
+        raise UserError(f"exp.params.fidelity.gold={settings['gold']!r} must be true or false")
+    return settings
 
 
 def cell_config(cfg: DictConfig, cell: GridCell, compression_ratio: float | None = None) -> DictConfig:
@@ -161,15 +175,20 @@ Found = tuple[list[Any], list[str], list[dict], dict[str, list[dict]]]
 
 
 def collect(run: Run[Any], cells: list[GridCell], labels: list[str],
-            label_of: Callable[[cells_on_disk.StoredCell], str]) -> Found:
+            label_of: Callable[[cells_on_disk.StoredCell], str], report_params: Iterable[str] = (),
+            config_of: Callable[[GridCell], DictConfig] | None = None) -> Found:
     """The grid's cells that are complete on disk, plus every other finished cell of the folder made with the same
-    experiment block (a multirun's other jobs); returns cells, labels, metrics and rows for a summary."""
+    experiment block, `report_params` aside (a multirun's other jobs); returns cells, labels, metrics and rows for a
+    summary. A grid cell is the folder of its key made with its config, whatever the experiment block said when it
+    ran: a grid extended by a system or a budget, or a summary asked for differently, reuses every cell it had."""
     out_dir, same_code = run.out_dir, run.same_code
-    stored = {c.key: c for c in cells_on_disk.finished(out_dir, cells_on_disk.exp_block(run.cfg), same_code)}
-    # the grid's own cells whatever experiment block made them: a reference cell another run (with other systems)
-    # made is this grid's cell too; a rebuild from disk (not same_code) reads them whichever code made them
-    stored.update({c.key: c for c in cells_on_disk.finished(out_dir, None, same_code)
-                   if c.key in {g.key for g in cells}})
+    config_of = config_of or (lambda g: cell_config(run.cfg, g))
+    grid = {c.key: c for c in cells}
+    stored = {c.key: c for c in cells_on_disk.finished(out_dir, None, same_code) if c.key in grid and (
+        not same_code or same_cell(dump_yaml(config_of(grid[c.key])), c.config))}
+    for c in cells_on_disk.finished(out_dir, cells_on_disk.exp_block(run.cfg, report_params), same_code,
+                                    report_params):
+        stored.setdefault(c.key, c)
     out_cells: list[Any] = []
     out_labels: list[str] = []
     for cell, label in zip(cells, labels):
@@ -177,9 +196,23 @@ def collect(run: Run[Any], cells: list[GridCell], labels: list[str],
             out_cells.append(cell)
             out_labels.append(label)
     for key, c in stored.items():
-        if key not in {x.key for x in cells} and c.config.get("task"):
+        if key not in grid and c.config.get("task"):
             out_cells.append(c)
             out_labels.append(label_of(c))
     metrics = [{**stored[c.key].metrics, "_env": stored[c.key].env} for c in out_cells]   # _env: for provenance
-    rows = {c.key: stored[c.key].rows() for c in out_cells}
+    rows = {c.key: fidelity_against(run, stored[c.key], stored[c.key].rows(ROW_FIELDS)) for c in out_cells}
     return out_cells, out_labels, metrics, rows
+
+
+def fidelity_against(run: Run[Any], stored: cells_on_disk.StoredCell, rows: list[dict]) -> list[dict]:
+    """The rows, without their fidelity when it was measured against another reference than the summary's (the
+    summary would label it wrongly); the summary says so and how to see it."""
+    measured = ((stored.config.get("exp") or {}).get("params") or {}).get("reference")
+    reference = getattr(run.params, "reference", None)
+    if measured == reference or not any(k.startswith("fid_") for r in rows for k in r):
+        return rows
+    note = (f"Fidelity (top-1 agreement, KL) was measured against `{measured}` when the cells ran, so it is not "
+            f"shown against `{reference}`: rebuild with exp.params.reference={measured} to see it.")
+    if note not in run.notes:
+        run.notes.append(note)
+    return [{k: v for k, v in r.items() if not k.startswith("fid_")} for r in rows]

@@ -7,6 +7,8 @@ from typing import Any, Optional
 from harness.running.params import GridParams
 
 FIDELITY_DEFAULTS = {"steps": 64, "gold": True}
+# change only how the summary reads the finished cells: a new value rebuilds the summary and reruns nothing
+REPORT_PARAMS = frozenset({"reference", "min_reference_score", "size_reason", "budget_reason"})
 
 
 @dataclass

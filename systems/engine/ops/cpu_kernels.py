@@ -60,12 +60,14 @@ def _build() -> bool:
                 break
             except BlockingIOError:
                 waited = time.monotonic() - start
+                handle.seek(0)
+                owner = handle.read().strip() or "unknown"
                 if waited > BUILD_WAIT_S:
-                    raise TimeoutError(f"another process held {folder / 'kvharness.lock'} for {waited:.0f} s"
-                                       ) from None
+                    # the flock is the kernel's: its holder is alive (a dead one releases it), so say who it is
+                    raise BuildLockHeld(f"process {owner} still holds {folder / 'kvharness.lock'} after {waited:.0f} "
+                                        f"s of waiting, building the kernels; let it finish, stop it if it hangs "
+                                        f"(kill {owner}), or raise KVHARNESS_BUILD_WAIT_S") from None
                 if not told and waited > 2:
-                    handle.seek(0)
-                    owner = handle.read().strip() or "unknown"
                     print(f"[kernels] waiting for process {owner} to finish building the CPU kernels in {folder}",
                           flush=True)
                     told = True
@@ -84,6 +86,21 @@ def _build() -> bool:
              extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVH_COMMON_H={header}"],
              extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     return hasattr(torch.ops.kvharness_cpu, "decode_attention") and hasattr(torch.ops.kvharness_cpu, "resident_pages")
+
+
+class BuildLockHeld(TimeoutError):
+    """Another live process has held the build lock longer than BUILD_WAIT_S; the message names it."""
+
+
+def build_fix(exc: Exception) -> str:
+    """What gets the fused kernels back after a failed build, by what failed (a compiler only when one is missing)."""
+    if isinstance(exc, BuildLockHeld):
+        return "The next run builds or loads them once that process is done."
+    if isinstance(exc, OSError):
+        return "Set KVHARNESS_CACHE to a folder you can write (the kernels are built under it)."
+    if not toolchain():
+        return "Install gcc/g++ and ninja to get the fused kernels."
+    return "The compiler failed: run `python -c \"import systems.engine.ops.cpu_kernels as k; k._build()\"` to see why."
 
 
 def toolchain() -> bool:
@@ -110,7 +127,7 @@ def available() -> bool:
                 _state["ok"] = _build()
             except Exception as exc:  # no compiler or headers: the torch path is correct, only slower
                 warnings.warn(f"CPU kernels not built ({type(exc).__name__}: {str(exc).splitlines()[0]}); using "
-                              "the torch path. Install gcc/g++ to get the fused kernels.", stacklevel=2)
+                              f"the torch path. {build_fix(exc)}", stacklevel=2)
                 _state["ok"] = False
         return bool(_state["ok"])
 
