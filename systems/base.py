@@ -23,6 +23,18 @@ class GenerationRequest:
     # tokens back instead of its own choice; EOS and stop strings do not end it
     forced_output_ids: tuple[int, ...] | None = None
     logprob_steps: int = 0            # keep the full next-token log-probabilities of the first N output steps
+    # query-agnostic compression: the first context_len prompt tokens (the context) are prefilled and compressed by
+    # the KV policy on their own; the rest (the question) is then prefilled onto the compressed cache, uncompressed,
+    # its positions continuing after the whole context. None: the whole prompt at once, question in view (today's)
+    context_len: int | None = None
+    # requests naming the same shared_context (their first context_len tokens equal) read one compressed context:
+    # prefilled and compressed once, its pages shared (counted once), freed when its last reader finishes. A key kept
+    # by keep_prefill is read the same way (context_len = the keeper's, whose whole prompt must open this one)
+    shared_context: str | None = None
+    # keep this request's cache as it stands right after its prompt (compressed, policy state included) under this
+    # key, for later requests naming it in shared_context (a teacher-forced pass reusing the generation's prefill),
+    # until the system's release_prefix(key)
+    keep_prefill: str | None = None
 
 
 @dataclass

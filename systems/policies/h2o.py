@@ -52,6 +52,17 @@ class H2O(LedgerBudget):
         kept = torch.stack(keep)                                                 # storage == position order here
         self.ledger.set(seq.slot, layer, kept, score.gather(-1, kept))
 
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A query-agnostic question is kept whole; its rows add their attention to every key's score, as prefill
+        queries do, and its tokens join the ledger."""
+        n, hkv = q.shape[0], kv.num_kv_heads
+        self.ledger.extend(seq.slot, layer, torch.arange(seq.seq_len - n, seq.seq_len, device=q.device),
+                           torch.zeros(hkv, n, device=q.device))
+        keys, _, counts = kv.gather_tokens(torch.tensor([seq.slot], device=q.device), layer)
+        probs = ind.appended_attention(q, keys[0], counts[0], kv.scale)       # [Hq, n, N]
+        self.ledger.scores[seq.slot, layer, :, :probs.shape[-1]] += ind.group_reduce(probs.sum(1), hkv,
+                                                                                      self.aggregation)
+
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         slots, layer, led = step.slots, step.layer, self.ledger
         hkv = kv.num_kv_heads
