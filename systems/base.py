@@ -23,6 +23,7 @@ class GenerationRequest:
     # tokens back instead of its own choice; EOS and stop strings do not end it
     forced_output_ids: tuple[int, ...] | None = None
     logprob_steps: int = 0            # keep the full next-token log-probabilities of the first N output steps
+    # (the next three fields are honoured by systems with `supports_shared_context`; others run the prompt whole)
     # query-agnostic compression: the first context_len prompt tokens (the context) are prefilled and compressed by
     # the KV policy on their own; the rest (the question) is then prefilled onto the compressed cache, uncompressed,
     # its positions continuing after the whole context. None: the whole prompt at once, question in view (today's)

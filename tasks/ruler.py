@@ -314,10 +314,10 @@ class Ruler(Task):
             if not path.is_file():
                 raise TaskError(f"{path} not found: put RULER's {filename} there or fix {key}")
             data = json.loads(path.read_text(encoding="utf-8"))
-            return read_squad(data) if task == "qa_1" else read_hotpotqa(data)
+            return gen.read_squad(data) if task == "qa_1" else gen.read_hotpotqa(data)
         rows = sources.hub_rows(repo, config, "validation", key,
                                 self.params.hub_timeout_s)
-        return squad_from_hub(rows) if task == "qa_1" else hotpotqa_from_hub(rows)
+        return gen.squad_from_hub(rows) if task == "qa_1" else gen.hotpotqa_from_hub(rows)
 
     # ---- scoring -----------------------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -375,47 +375,6 @@ def coverage_of_rows(rows: Sequence[dict]) -> dict:
     formats = sorted({m.get("prompt_format", "unrecorded") for m in metas})
     return average_coverage([m["ruler_task"] for m in metas], [m["length"] for m in metas],
                             formats[0] if len(formats) == 1 else "mixed formats: " + ", ".join(formats))
-
-
-def read_squad(data: dict) -> tuple[list[dict], list[str]]:
-    """RULER's reading of SQuAD v2 dev json: sorted distinct paragraphs; answerable questions in file order."""
-    documents = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
-    index = {c: i for i, c in enumerate(documents)}
-    questions = []
-    for d in data["data"]:
-        article = [index[p["context"]] for p in d["paragraphs"]]
-        for p in d["paragraphs"]:
-            for qa in p["qas"]:
-                if not qa.get("is_impossible"):
-                    questions.append({"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
-                                      "context": [index[p["context"]]],
-                                      "more_context": [i for i in article if i != index[p["context"]]]})
-    return questions, documents
-
-
-def read_hotpotqa(data: list) -> tuple[list[dict], list[str]]:
-    """RULER's reading of HotpotQA dev distractor json: `title\\nsentences`, every listed paragraph gold."""
-    documents = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
-    index = {c: i for i, c in enumerate(documents)}
-    questions = [{"query": d["question"], "outputs": [d["answer"]],
-                  "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
-    return questions, documents
-
-
-def squad_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    """The hub's flat SQuAD v2 rows regrouped into RULER's article/paragraph structure."""
-    articles: dict[str, dict[str, list]] = {}
-    for r in rows:
-        articles.setdefault(r["title"], {}).setdefault(r["context"], []).append(
-            {"question": r["question"], "answers": [{"text": t} for t in r["answers"]["text"]],
-             "is_impossible": not r["answers"]["text"]})
-    return read_squad({"data": [{"paragraphs": [{"context": c, "qas": q} for c, q in paras.items()]}
-                                for paras in articles.values()]})
-
-
-def hotpotqa_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    return read_hotpotqa([{"question": r["question"], "answer": r["answer"],
-                           "context": list(zip(r["context"]["title"], r["context"]["sentences"]))} for r in rows])
 
 
 TASK = Ruler

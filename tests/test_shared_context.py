@@ -76,10 +76,11 @@ def test_policies_compress_the_context_alone(tiny_llama_dir, name):
     assert torch.equal(kept[0], kept[1])
 
 
+@pytest.mark.parametrize("fused", [True, False])              # the fused C++ decode step and the per-op path
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_each_shared_reader_equals_its_own_query_agnostic_run(tiny_llama_dir, name):
+def test_each_shared_reader_equals_its_own_query_agnostic_run(tiny_llama_dir, name, fused):
     context, questions = _parts()
-    engine = _engine(tiny_llama_dir, name, batch_invariant=True)
+    engine = _engine(tiny_llama_dir, name, batch_invariant=True, fused_decode=fused)
     alone = [engine.generate([_agnostic(f"s{i}", context, q)])[0].output_ids for i, q in enumerate(questions)]
     free = engine.kv.free_device_blocks()
     one = engine.generate([_agnostic("k1", context, questions[0], shared="one")])
