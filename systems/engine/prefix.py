@@ -10,8 +10,9 @@ Life of a prefix:
 - registered when the first request naming it is added;
 - built once: the first reader admitted while nobody builds it prefills the context itself (a plain query-agnostic
   request) and, in the step its last context token is stored and compressed, the engine forks its cache onto a
-  holder slot (pages shared, see kv_sharing; the policy's per-slot state copied by Policy.fork). A keeper does the
-  same at the end of its prompt. Readers admitted meanwhile wait for it;
+  holder slot (pages shared, see kv_sharing; the policy's per-slot state copied by Policy.fork) — when another
+  request reads it (k = 1 parks nothing and runs exactly as a lone query-agnostic request). A keeper does the same
+  at the end of its prompt, always. Readers admitted meanwhile wait for it;
 - read: a reader admitted once it is built forks the holder (pages shared, its own copy of each partial last page)
   and prefills only its own tokens after the prefix; with none left (a forced pass over a kept prompt) its first
   token comes from the kept logits. Its decode-time policy state is its own from then on;
