@@ -27,8 +27,8 @@ def render_parts(sample: Sample, tokenizer, max_input_tokens: int) -> tuple[list
     sample's context; the question part its question, the template's closing and the answer prefix. The split is
     the longest token prefix the prompt shares with the rendering of the context alone, so a token merged across
     the boundary goes to the question, and questions about one context split at the same place when they open
-    alike. A sample without a question, or whose question truncation cut, is all context (question part empty:
-    send it query-aware)."""
+    alike. A sample without a question, or whose question truncation cut, is all context (question part empty); one
+    without a context (and no template opening) is all question (context part empty: send it query-aware)."""
     full = render(sample, tokenizer, max_input_tokens)
     text = _user_text(sample, tokenizer, max_input_tokens)
     if not sample.question or not text.endswith(sample.question):

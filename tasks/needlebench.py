@@ -228,9 +228,9 @@ class NeedleBench(Task):
                                  {**base, "needles": [needles[i]], "needles_in_context": needles,
                                   "prompt_tokens": counts[i], "context_id": cid, "question_index": i})
                     for i, n in enumerate(chosen)]
-        questions = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
+        listing = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
         doc, (question,), (n_tok,) = self._render(tokenizer, length, rng, placed,
-                                                  [MRT_ASK.format(questions=questions)])
+                                                  [MRT_ASK.format(questions=listing)])
         return [self._sample(f"mrt-len{length}-r{r}", doc, question, tuple(n.keyword for n in chosen),
                              {**base, "needles": needles, "prompt_tokens": n_tok})]
 

@@ -156,3 +156,21 @@ def test_forced_pass_from_the_kept_prefill_is_bit_identical(tiny_llama_dir, name
     assert torch.equal(torch.stack(reused.logprob_rows), torch.stack(fresh.logprob_rows))
     assert engine.release_prefix("gen#prefill") and not engine.release_prefix("gen#prefill")
     assert not engine.scheduler.prefixes.by_key and engine.kv.device_blocks.num_used == 0
+
+
+def test_a_parked_context_gives_way_when_nothing_else_fits(tiny_llama_dir):
+    """A built context waiting for a reader queued behind a big request holds the pool while nothing runs: it is
+    given up (the reader rebuilds it) instead of stalling the engine."""
+    g = torch.Generator().manual_seed(5)
+    context = torch.randint(3, 200, (60,), generator=g).tolist()        # 15 full pages in each (layer, KV head)
+    big = GenerationRequest("big", torch.randint(3, 200, (90,), generator=g).tolist(), 4, ignore_eos=True)
+    first, second = (_agnostic(f"r{i}", context, [7 + i, 8, 9], shared="ctx", n=4) for i in range(2))
+    alone = _engine(tiny_llama_dir, "dense").generate([_agnostic("solo", context, [8, 8, 9], n=4)])[0].output_ids
+    engine = _engine(tiny_llama_dir, "dense", blocks=121)
+    seqs = [engine.add_request(r) for r in (first, big, second)]       # FIFO: the reader waits behind "big"
+    while engine.scheduler.has_work():
+        engine.step()
+        _check(engine)
+    assert all(s.num_output_tokens == 4 and not s.error for s in seqs)
+    assert engine.scheduler.prefixes.kept == 1 and not seqs[2].forked   # kept once, given up, rebuilt unshared
+    assert seqs[2].output_ids == alone and engine.kv.device_blocks.num_used == 0

@@ -20,7 +20,7 @@ from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import load_ops
 from systems.engine.sampler import check_sampling, sample
-from systems.engine.scheduler import Scheduler, SequenceError
+from systems.engine.scheduler import Scheduler, SequenceError, Step
 from systems.engine.sequence import Sequence, Status
 from systems.hardware import resolve_dtype
 from systems.policies.base import Policy
@@ -191,7 +191,7 @@ class Engine:
                 finished.append(seq)
         return finished
 
-    def _token_rows(self, work, logits: torch.Tensor | None) -> tuple[list[Sequence], torch.Tensor]:
+    def _token_rows(self, work: Step, logits: torch.Tensor | None) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences that get a token this step and their logits rows; keeps the prefixes whose builders'
         chunks just reached them (the forward returned a logits row for each, see Sequence.logits_at)."""
         rows = work.decodes + [s for s, _, end in work.chunks if s.logits_at(end)]
@@ -203,8 +203,9 @@ class Engine:
         if logits is not None and len(rows) != len(seqs):
             logits = logits[[rows.index(s) for s in seqs]]
         if work.from_prefix:        # forked with nothing left to prefill: the prefix's own next-token logits
-            assert all(s.prefix_logits is not None for s in work.from_prefix)
-            kept = torch.stack([s.prefix_logits for s in work.from_prefix])
+            rows_kept = [s.prefix_logits for s in work.from_prefix if s.prefix_logits is not None]
+            assert len(rows_kept) == len(work.from_prefix)
+            kept = torch.stack(rows_kept)
             logits = kept if logits is None else torch.cat([logits.float(), kept.to(logits.device)])
             seqs = seqs + work.from_prefix
         return seqs, logits if logits is not None else torch.empty(0)
