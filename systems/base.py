@@ -29,6 +29,19 @@ class GenerationRequest:
     # score the prompt: at each prompt position the log-probability of the prompt's own next token and the top-N
     # alternatives, from the prefill forward (before the KV policy evicts anything); None = not computed
     prompt_logprobs: int | None = None
+    # (the next three fields are honoured by systems with `supports_shared_context`; others run the prompt whole)
+    # query-agnostic compression: the first context_len prompt tokens (the context) are prefilled and compressed by
+    # the KV policy on their own; the rest (the question) is then prefilled onto the compressed cache, uncompressed,
+    # its positions continuing after the whole context. None: the whole prompt at once, question in view (today's)
+    context_len: int | None = None
+    # requests naming the same shared_context (their first context_len tokens equal) read one compressed context:
+    # prefilled and compressed once, its pages shared (counted once), freed when its last reader finishes. A key kept
+    # by keep_prefill is read the same way (context_len = the keeper's, whose whole prompt must open this one)
+    shared_context: str | None = None
+    # keep this request's cache as it stands right after its prompt (compressed, policy state included) under this
+    # key, for later requests naming it in shared_context (a teacher-forced pass reusing the generation's prefill),
+    # until the system's release_prefix(key)
+    keep_prefill: str | None = None
 
 
 @dataclass

@@ -19,10 +19,16 @@ class TaskError(ValueError):
 
 @dataclass(frozen=True)
 class Sample:
-    """One model input. `prompt` is the full user text; the harness applies chat template and truncation."""
+    """One model input in two parts: `context` (everything several questions could share: instructions before the
+    document, the document) then `question` (the question and everything after it up to where the answer starts).
+    Their concatenation `prompt` is the full user text (a raw prompt's whole text); the harness applies chat template
+    and truncation, and may prefill the context apart from the question (query-agnostic compression, one context
+    shared by several questions). Samples that share a context carry equal `context` strings and, in `meta`,
+    `context_id` and `question_index` (0 = the first question asked of that context)."""
 
     id: str
-    prompt: str
+    context: str
+    question: str
     answers: tuple[str, ...]
     max_new_tokens: int
     chat_template: bool = True          # False: raw completion prompt (LongBench few-shot / code sets)
@@ -36,6 +42,17 @@ class Sample:
     # own turns (RULER's cwe); ignored without the chat template, where the task writes them into `prompt`
     turns: tuple[tuple[str, str], ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able facts used by score()/summarize()
+
+    @property
+    def prompt(self) -> str:
+        return self.context + self.question
+
+
+def split_at(text: str, question: str) -> tuple[str, str]:
+    """(context, question) of a prompt text that ends with the question part."""
+    if not text.endswith(question):
+        raise ValueError(f"the prompt does not end with its question part {question[:60]!r}")
+    return text[:len(text) - len(question)], question
 
 
 class Task:

@@ -16,10 +16,10 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from tasks import haystack, metrics, sources
-from tasks.base import Sample, Task, TaskError
+from tasks.base import Sample, Task, TaskError, split_at
 
 log = logging.getLogger(__name__)
 CLOSED = ["coursera", "gsm100", "quality", "tpo", "topic_retrieval_longchat", "sci_fi", "codeU"]
@@ -165,6 +165,7 @@ class LEval(Task):
         hub_revision: str | None = "refs/convert/parquet"   # parquet branch: the loading script needs datasets<4
         hub_timeout_s: float = 5.0
         on_malformed: str = "skip"          # skip | fail
+        questions_per_context: Optional[int] = None   # instructions asked per document (k); null = all of them
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -223,26 +224,36 @@ class LEval(Task):
                     continue
                 document = right_truncate(tokenizer, row["input"], budget, keep_tail=task == "codeU")
                 for q, (inst, gold) in enumerate(zip(row["instructions"], row["outputs"])):
-                    out += self._samples(task, f"{task}-{d}-{q}", document, inst, gold, row["evaluation"])
+                    if self.params.questions_per_context is not None and q >= self.params.questions_per_context:
+                        break
+                    out += self._samples(task, f"{task}-{d}", q, document, inst, gold, row["evaluation"])
         return out
 
-    def _samples(self, task: str, sid: str, document: str, inst: str, gold: Any, evaluation: str) -> list[Sample]:
-        meta = {"task": task, "evaluation": evaluation, "gold": gold}
+    def _samples(self, task: str, doc_id: str, q: int, document: str, inst: str, gold: Any,
+                 evaluation: str) -> list[Sample]:
+        """The samples of one instruction: the context is the document (with what precedes it), the question part
+        the instruction and everything after it, so a document's instructions share one context."""
+        sid = f"{doc_id}-{q}"
+        meta = {"task": task, "evaluation": evaluation, "gold": gold, "context_id": doc_id, "question_index": q}
         if task in ("gsm100", "codeU", "topic_retrieval_longchat"):
-            prompt, system = f"{document}\n\n{inst}", SYSTEM_PROMPTS[task]
+            template, system = "{document}\n\n{inst}", SYSTEM_PROMPTS[task]
         elif task in CLOSED:
-            prompt, system = EXAM_USER.format(document=document, inst=inst), SYSTEM_PROMPTS.get(task, EXAM_SYSTEM)
+            template, system = EXAM_USER, SYSTEM_PROMPTS.get(task, EXAM_SYSTEM)
         else:
-            prompt, system = OPEN_USER.format(document=document, inst=inst), OPEN_SYSTEM
+            template, system = OPEN_USER, OPEN_SYSTEM
             if self.params.length_instruction:
-                prompt += f"\nAnswer this question with {len(gold.split())} words."
+                template += f"\nAnswer this question with {len(gold.split())} words."
+        context, question = split_at(template.format(document=document, inst=inst),
+                                     template.split("{document}", 1)[1].format(inst=inst))
         common = dict(answers=(gold,), max_new_tokens=self.params.max_new_tokens)
-        first = Sample(id=sid, prompt=prompt, system_prompt=system, truncation="middle",
+        first = Sample(id=sid, context=context, question=question, system_prompt=system, truncation="middle",
                        meta={**meta, "part": "loyalty" if task == "sci_fi" else "main"}, **common)
         if task != "sci_fi":
             return [first]
-        fact = Sample(id=f"{sid}-fact", prompt=inst.replace(SCI_FI_WORLD, SCI_FI_REAL) + "\nAnswer:",
-                      chat_template=False, truncation="none", meta={**meta, "part": "fact"}, **common)
+        # the fact check asks without the document: nothing in it is shared
+        fact_meta = {k: v for k, v in meta.items() if k not in ("context_id", "question_index")}
+        fact = Sample(id=f"{sid}-fact", context="", question=inst.replace(SCI_FI_WORLD, SCI_FI_REAL) + "\nAnswer:",
+                      chat_template=False, truncation="none", meta={**fact_meta, "part": "fact"}, **common)
         return [first, fact]
 
     # -- scoring ---------------------------------------------------------------------------------

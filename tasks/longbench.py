@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks import metrics, sources
-from tasks.base import Sample, Task, TaskError
+from tasks.base import Sample, Task, TaskError, split_at
 
 log = logging.getLogger(__name__)
 DATA = pathlib.Path(__file__).parent / "data" / "longbench"
@@ -159,9 +159,12 @@ class LongBench(Task):
     def _sample(self, ds: str, index: int, row: dict, malformed: int) -> Sample:
         question = row.get("input", row.get("question"))
         category, language, metric = DATASETS[ds]
+        # the context is the template up to the end of the document; the question part everything after it
+        prompt = PROMPTS[ds].format(context=row["context"], input=question)
+        context, asked = split_at(prompt, PROMPTS[ds].split("{context}", 1)[1].format(input=question))
         return Sample(
             id=f"{ds}{'_e' if self.params.longbench_e else ''}-{index}",
-            prompt=PROMPTS[ds].format(context=row["context"], input=question),
+            context=context, question=asked,
             answers=tuple(row["answers"]),
             max_new_tokens=MAX_NEW_TOKENS[ds],
             chat_template=ds not in NO_CHAT_TEMPLATE,

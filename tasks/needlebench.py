@@ -145,6 +145,9 @@ class NeedleBench(Task):
         needle_counts: list[int] = field(default_factory=lambda: [2, 3])         # M-RS chain lengths
         max_new_tokens: int = 64
         needles_file: str | None = None                     # null = tasks/data/needles.json
+        # M-RT: ask each needle in its own question (S-RT's wording) about the one haystack holding all of them,
+        # k = len(depths) samples sharing a context, instead of one question listing every needle
+        question_per_needle: bool = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -170,7 +173,7 @@ class NeedleBench(Task):
         for length in p.lengths:
             for r in range(p.repeats):
                 if p.mode == "mrt":
-                    out.append(self._mrt(tokenizer, int(length), r))
+                    out += self._mrt(tokenizer, int(length), r)
                     continue
                 for depth in p.depths:
                     if p.mode == "srt":
@@ -184,38 +187,53 @@ class NeedleBench(Task):
         return random.Random(":".join(map(str, (self.seed, self.params.mode) + key)))
 
     def _render(self, tokenizer: Any, length: int, rng: random.Random, placed: list[tuple[float, str]],
-                ask: str) -> tuple[str, int]:
-        """Prompt of about `length` tokens: intro, haystack with the needles inserted, then the question."""
-        def prompt(context: str) -> str:
-            return f"{INTRO}\n\n<document>\n{context}\n</document>\n\n{ask}"
-        scaffold = haystack.count_tokens(tokenizer, prompt(" ".join(s for _, s in placed)))
+                asks: list[str]) -> tuple[str, list[str], list[int]]:
+        """Prompts of about `length` tokens (the longest ask's): the context (intro, haystack with the needles
+        inserted), each ask's question part, and each whole prompt's tokens."""
+        def document(context: str) -> str:
+            return f"{INTRO}\n\n<document>\n{context}\n</document>"
+        questions = [f"\n\n{ask}" for ask in asks]
+        needles = document(" ".join(s for _, s in placed))
+        scaffold = max(haystack.count_tokens(tokenizer, needles + q) for q in questions)
         context = haystack.build_context(tokenizer, length - scaffold, rng)
-        text = prompt(haystack.insert_at_depths(tokenizer, context, placed, sep=NEEDLE_SEP))
-        return text, haystack.count_tokens(tokenizer, text)
+        doc = document(haystack.insert_at_depths(tokenizer, context, placed, sep=NEEDLE_SEP))
+        return doc, questions, [haystack.count_tokens(tokenizer, doc + q) for q in questions]
 
-    def _sample(self, sid: str, text: str, answers: tuple[str, ...], meta: dict) -> Sample:
-        return Sample(id=sid, prompt=text, answers=answers, max_new_tokens=self.params.max_new_tokens,
-                      truncation="none", meta={"mode": self.params.mode, **meta})
+    def _sample(self, sid: str, context: str, question: str, answers: tuple[str, ...], meta: dict) -> Sample:
+        return Sample(id=sid, context=context, question=question, answers=answers,
+                      max_new_tokens=self.params.max_new_tokens, truncation="none",
+                      meta={"mode": self.params.mode, **meta})
 
     def _srt(self, tokenizer: Any, length: int, depth: float, r: int) -> Sample:
         rng = self._rng(length, depth, r)
         needle = rng.choice(self.needles)
-        text, n = self._render(tokenizer, length, rng, [(depth, needle.needle)],
-                               SRT_ASK.format(question=needle.question))
-        return self._sample(f"srt-len{length}-depth{_fmt(depth)}-r{r}", text, (needle.keyword,),
+        doc, (question,), (n,) = self._render(tokenizer, length, rng, [(depth, needle.needle)],
+                                              [SRT_ASK.format(question=needle.question)])
+        return self._sample(f"srt-len{length}-depth{_fmt(depth)}-r{r}", doc, question, (needle.keyword,),
                             {"length": length, "depth": depth, "repeat": r, "needle_id": needle.id,
                              "keyword": needle.keyword, "prompt_tokens": n})
 
-    def _mrt(self, tokenizer: Any, length: int, r: int) -> Sample:
+    def _mrt(self, tokenizer: Any, length: int, r: int) -> list[Sample]:
         rng = self._rng(length, r)
         chosen = rng.sample(self.needles, len(self.params.depths))
-        questions = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
         placed = [(d, n.needle) for d, n in zip(self.params.depths, chosen)]
-        text, n_tok = self._render(tokenizer, length, rng, placed, MRT_ASK.format(questions=questions))
         needles = [{"depth": d, "needle_id": n.id, "keyword": n.keyword}
                    for d, n in zip(self.params.depths, chosen)]
-        return self._sample(f"mrt-len{length}-r{r}", text, tuple(n.keyword for n in chosen),
-                            {"length": length, "repeat": r, "needles": needles, "prompt_tokens": n_tok})
+        base = {"length": length, "repeat": r}
+        if self.params.question_per_needle:
+            # one question per needle; each sample is scored on its own needle (M-RT's rule with N = 1)
+            doc, questions, counts = self._render(tokenizer, length, rng, placed,
+                                                  [SRT_ASK.format(question=n.question) for n in chosen])
+            cid = f"mrt-len{length}-r{r}"
+            return [self._sample(f"{cid}-q{i}", doc, questions[i], (n.keyword,),
+                                 {**base, "needles": [needles[i]], "needles_in_context": needles,
+                                  "prompt_tokens": counts[i], "context_id": cid, "question_index": i})
+                    for i, n in enumerate(chosen)]
+        listing = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
+        doc, (question,), (n_tok,) = self._render(tokenizer, length, rng, placed,
+                                                  [MRT_ASK.format(questions=listing)])
+        return [self._sample(f"mrt-len{length}-r{r}", doc, question, tuple(n.keyword for n in chosen),
+                             {**base, "needles": needles, "prompt_tokens": n_tok})]
 
     def _mrs(self, tokenizer: Any, length: int, depth: float, k: int, r: int) -> Sample:
         if len(self.first_names) * len(self.last_names) < k + 1:
@@ -229,8 +247,9 @@ class NeedleBench(Task):
         facts = [KINSHIP.format(parent=people[i + 1], child=people[i]) for i in range(k)]
         rng.shuffle(facts)             # text order differs from chain order: the model has to link them
         placed = [(min(100.0, depth + 10 * i), fact) for i, fact in enumerate(facts)]
-        text, n_tok = self._render(tokenizer, length, rng, placed, MRS_ASK.format(person=people[0]))
-        return self._sample(f"mrs-len{length}-depth{_fmt(depth)}-n{k}-r{r}", text, (people[-1],),
+        doc, (question,), (n_tok,) = self._render(tokenizer, length, rng, placed,
+                                                  [MRS_ASK.format(person=people[0])])
+        return self._sample(f"mrs-len{length}-depth{_fmt(depth)}-n{k}-r{r}", doc, question, (people[-1],),
                             {"length": length, "depth": depth, "repeat": r, "n_needles": k,
                              "chain": people, "prompt_tokens": n_tok})
 

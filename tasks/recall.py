@@ -98,14 +98,14 @@ class Recall(Task):
                         break
         raise TaskError("the essays are too short for this context: lower task.params.context_tokens")
 
-    def _sample(self, tokenizer: Any, context: int, depth: float, size: int, r: int) -> Sample:
-        rng = random.Random(f"{self.seed}:recall:{context}:{depth:g}:{size}:{r}")
+    def _sample(self, tokenizer: Any, context_tokens: int, depth: float, size: int, r: int) -> Sample:
+        rng = random.Random(f"{self.seed}:recall:{context_tokens}:{depth:g}:{size}:{r}")
         dummy = "x " * PHRASE_WORDS
         scaffold = max(haystack.count_tokens(tokenizer, f"{INTRO}\n\n{ask.format(phrase=dummy, label=LABEL)}")
                        for ask in (ASK, LEAD_IN))
-        paragraphs = self._paragraphs(tokenizer, context - scaffold, size, rng)
+        paragraphs = self._paragraphs(tokenizer, context_tokens - scaffold, size, rng)
         if len(paragraphs) < 3:
-            raise TaskError(f"only {len(paragraphs)} paragraphs fit {context} tokens: raise "
+            raise TaskError(f"only {len(paragraphs)} paragraphs fit {context_tokens} tokens: raise "
                             f"task.params.context_tokens or lower passage_tokens")
         rng.shuffle(paragraphs)            # neighbours come from different essays: no continuation to guess
         count = len(paragraphs)
@@ -117,19 +117,21 @@ class Recall(Task):
         phrase = next((p for p in openings if body.count(p) == 1), target)   # lengthened if the opening repeats
         completion = self.params.style == "completion"
         ask = (LEAD_IN if completion else ASK).format(phrase=phrase, label=LABEL.format(target_index + 1))
-        prompt = f"{INTRO}\n\n{body}\n\n{ask}"
+        context, question = f"{INTRO}\n\n{body}", f"\n\n{ask}"
+        prompt = context + question
         if completion:                     # the model writes what follows the given first words
             target = target[len(phrase):].lstrip()
         other = rng.choice([i for i in range(count) if i != target_index])
         target_tokens = haystack.count_tokens(tokenizer, target)
         max_new = self.params.max_new_tokens or min(1280, math.ceil(1.25 * target_tokens))
         return Sample(
-            id=f"recall-ctx{context}-p{size}-depth{depth:g}-r{r}", prompt=prompt, answers=(target,),
+            id=f"recall-ctx{context_tokens}-p{size}-depth{depth:g}-r{r}", context=context, question=question,
+            answers=(target,),
             max_new_tokens=max_new, truncation="none", chat_template=not completion,
             # The copy is complete when the next labelled paragraph starts; a bare "\n\n" is not enough,
             # since SmolLM2 restores the essays' own paragraph breaks inside a copied passage.
             stop=(f"\n\n{LABEL.format('')}",) if completion else (),
-            meta={"context_tokens": context, "depth": depth, "passage_tokens": size, "repeat": r,
+            meta={"context_tokens": context_tokens, "depth": depth, "passage_tokens": size, "repeat": r,
                   "target_index": target_index, "paragraphs": count, "target_tokens": target_tokens,
                   "prompt_tokens": haystack.count_tokens(tokenizer, prompt),
                   "baseline_random_paragraph": (chance := rouge_l(paragraphs[other], target)[0]),

@@ -100,6 +100,9 @@ class Ruler(Task):
         chat_template: bool | str = "tokenizer"     # tokenizer | plain | none (true / false: tokenizer / none)
         data_dir: str | None = None         # qa: folder with RULER's squad.json / hotpotqa.json; null = the hub
         hub_timeout_s: float = 5.0
+        # NIAH tasks: k questions per haystack, each about keys no other asks (k samples share one context); the
+        # haystack is sized so the longest of them fits the length. Other tasks ask one question per context
+        questions_per_context: int = 1
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -111,6 +114,8 @@ class Ruler(Task):
             raise TaskError(f"task.params.lengths must be a list of token lengths >= 512, got {p.lengths!r}")
         if p.num_samples < 1:
             raise TaskError(f"task.params.num_samples must be >= 1, got {p.num_samples}")
+        if p.questions_per_context < 1:
+            raise TaskError(f"task.params.questions_per_context must be >= 1, got {p.questions_per_context}")
         fmt = "tokenizer" if p.chat_template is True else "none" if p.chat_template is False else p.chat_template
         if fmt not in FORMATS:
             raise TaskError(f"task.params.chat_template must be one of {', '.join(FORMATS)} (or true / false), got "
@@ -142,12 +147,16 @@ class Ruler(Task):
         probe = tokenizer.encode("a", add_special_tokens=True)
         bos = int(bool(probe) and tokenizer.bos_token_id is not None and probe[0] == tokenizer.bos_token_id)
 
-        def count(d: gen.Draft) -> int:
+        def one(d: gen.Draft) -> int:
             prefix = len(tokenizer.encode(d.prefix, add_special_tokens=False))
             text, turns = self._render(d)
             if self.prompt_format == "tokenizer":
                 return len(chat_prompt_ids(tokenizer, text, None, turns)) + prefix
             return bos + len(tokenizer.encode(text, add_special_tokens=False)) + prefix
+
+        def count(d: gen.Draft) -> int:         # the longest of the questions about this context
+            return max(one(x) for x in (d, *d.alternatives))
+        self._count_one = one
         return count
 
     def _rng(self, *key: object) -> random.Random:
@@ -214,7 +223,8 @@ class Ruler(Task):
             hay, tk, tv, k, v, q = NIAH[task]
             step = 500 if hay == "essay" else (25 if length >= 4096 else 5)
             make = lambda size, rng: gen.niah(size, rng, seed, haystack_kind=hay, type_k=tk, type_v=tv,  # noqa
-                                              num_k=k, num_v=v, num_q=q)
+                                              num_k=k, num_v=v, num_q=q,
+                                              num_questions=self.params.questions_per_context)
             size = self._search(lambda m: make(m, probe_rng), count, budget, step)
         elif kind == "vt":
             example_draft = self._search_example(tokenizer)
@@ -243,12 +253,12 @@ class Ruler(Task):
                 def make(m: int, rng: random.Random, question: dict = questions[i]) -> gen.Draft:
                     return gen.qa(question, documents, m, rng, seed)
                 draft, tokens = self._fit(make, count, size, step, budget, (task, length, i))
-                samples.append(self._sample(task, length, i, draft, tokens, ttg))
+                samples += self._samples(task, length, i, draft, tokens, ttg)
             return samples
         samples = []
         for i in range(n):
             draft, tokens = self._fit(make, count, size, step, budget, (task, length, i))
-            samples.append(self._sample(task, length, i, draft, tokens, ttg))
+            samples += self._samples(task, length, i, draft, tokens, ttg)
         return samples
 
     def _search_example(self, tokenizer: Any) -> gen.Draft:
@@ -275,17 +285,29 @@ class Ruler(Task):
             while count(draft) > max_len and n > step:
                 n -= step
                 draft = gen.fwe(n, vocab, self.shuffle_seed)
-            samples.append(self._sample(task, length, i, draft, count(draft), ttg))
+            samples += self._samples(task, length, i, draft, count(draft), ttg)
         return samples
 
-    def _sample(self, task: str, length: int, i: int, draft: gen.Draft, tokens: int, ttg: int) -> Sample:
+    def _samples(self, task: str, length: int, i: int, draft: gen.Draft, tokens: int, ttg: int) -> list[Sample]:
+        """The sample of a draft, or with several questions about its context one sample per question."""
+        if not draft.alternatives:
+            return [self._sample(task, length, f"{task}-len{length}-{i}", i, draft, tokens, ttg, {})]
+        cid = f"{task}-len{length}-{i}"
+        return [self._sample(task, length, f"{cid}-q{j}", i, d, self._count_one(d), ttg,
+                             {"context_id": cid, "question_index": j})
+                for j, d in enumerate((draft, *draft.alternatives))]
+
+    def _sample(self, task: str, length: int, sid: str, i: int, draft: gen.Draft, tokens: int, ttg: int,
+                shared: dict) -> Sample:
         text, turns = self._render(draft)
+        # the question part runs from the question to the end of the prompt (a plain wrapper's closing included)
+        start = text.rfind(draft.question)
         return Sample(
-            id=f"{task}-len{length}-{i}", prompt=text, answers=tuple(draft.outputs), max_new_tokens=ttg,
+            id=sid, context=text[:start], question=text[start:], answers=tuple(draft.outputs), max_new_tokens=ttg,
             chat_template=self.prompt_format == "tokenizer", truncation="none", answer_prefix=draft.prefix,
             turns=turns, meta={"ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
                                "prompt_format": self.prompt_format, "metric": "part" if kind_of(task) == "qa" else
-                               "all", "chance_score": 0.0, **draft.info})
+                               "all", "chance_score": 0.0, **shared, **draft.info})
 
     # ---- QA data -----------------------------------------------------------------------------------------------
     def _load_qa(self, task: str) -> tuple[list[dict], list[str]]:
@@ -296,10 +318,10 @@ class Ruler(Task):
             if not path.is_file():
                 raise TaskError(f"{path} not found: put RULER's {filename} there or fix {key}")
             data = json.loads(path.read_text(encoding="utf-8"))
-            return read_squad(data) if task == "qa_1" else read_hotpotqa(data)
+            return gen.read_squad(data) if task == "qa_1" else gen.read_hotpotqa(data)
         rows = sources.hub_rows(repo, config, "validation", key,
                                 self.params.hub_timeout_s)
-        return squad_from_hub(rows) if task == "qa_1" else hotpotqa_from_hub(rows)
+        return gen.squad_from_hub(rows) if task == "qa_1" else gen.hotpotqa_from_hub(rows)
 
     # ---- scoring -----------------------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -357,47 +379,6 @@ def coverage_of_rows(rows: Sequence[dict]) -> dict:
     formats = sorted({m.get("prompt_format", "unrecorded") for m in metas})
     return average_coverage([m["ruler_task"] for m in metas], [m["length"] for m in metas],
                             formats[0] if len(formats) == 1 else "mixed formats: " + ", ".join(formats))
-
-
-def read_squad(data: dict) -> tuple[list[dict], list[str]]:
-    """RULER's reading of SQuAD v2 dev json: sorted distinct paragraphs; answerable questions in file order."""
-    documents = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
-    index = {c: i for i, c in enumerate(documents)}
-    questions = []
-    for d in data["data"]:
-        article = [index[p["context"]] for p in d["paragraphs"]]
-        for p in d["paragraphs"]:
-            for qa in p["qas"]:
-                if not qa.get("is_impossible"):
-                    questions.append({"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
-                                      "context": [index[p["context"]]],
-                                      "more_context": [i for i in article if i != index[p["context"]]]})
-    return questions, documents
-
-
-def read_hotpotqa(data: list) -> tuple[list[dict], list[str]]:
-    """RULER's reading of HotpotQA dev distractor json: `title\\nsentences`, every listed paragraph gold."""
-    documents = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
-    index = {c: i for i, c in enumerate(documents)}
-    questions = [{"query": d["question"], "outputs": [d["answer"]],
-                  "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
-    return questions, documents
-
-
-def squad_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    """The hub's flat SQuAD v2 rows regrouped into RULER's article/paragraph structure."""
-    articles: dict[str, dict[str, list]] = {}
-    for r in rows:
-        articles.setdefault(r["title"], {}).setdefault(r["context"], []).append(
-            {"question": r["question"], "answers": [{"text": t} for t in r["answers"]["text"]],
-             "is_impossible": not r["answers"]["text"]})
-    return read_squad({"data": [{"paragraphs": [{"context": c, "qas": q} for c, q in paras.items()]}
-                                for paras in articles.values()]})
-
-
-def hotpotqa_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
-    return read_hotpotqa([{"question": r["question"], "answer": r["answer"],
-                           "context": list(zip(r["context"]["title"], r["context"]["sentences"]))} for r in rows])
 
 
 TASK = Ruler

@@ -32,6 +32,7 @@ generators instead of one global stream, so samples are reproducible one by one.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 import re
@@ -101,13 +102,23 @@ def plain_wrapper(tokenizer: Any) -> tuple[str, str]:
 @dataclass
 class Draft:
     """One generated sample before sizing checks: the user text, the answer prefix and the reference outputs;
-    `shots` are one-shot examples as (user text, assistant answer) exchanges that precede the text (cwe)."""
+    `shots` are one-shot examples as (user text, assistant answer) exchanges that precede the text (cwe).
+    `question`: the end of `text` from the question on (everything after the task's context), so the text splits
+    into a shareable context and a question; `alternatives`: drafts of further questions about the same context
+    (NIAH with several questions per haystack)."""
 
     text: str
     prefix: str
     outputs: list[str]
     info: dict
     shots: tuple[tuple[str, str], ...] = ()
+    question: str = ""
+    alternatives: tuple[Draft, ...] = ()
+
+
+def _after_context(template: str, **fill: Any) -> str:
+    """The template's text after its {context} (the question part), filled."""
+    return template.split("{context}", 1)[1].format(**fill)
 
 
 @functools.lru_cache(maxsize=1)
@@ -147,8 +158,10 @@ def _random_value(kind: str, rng: random.Random) -> str:
 
 
 def niah(n: int, rng: random.Random, shuffle_seed: int, *, haystack_kind: str, type_k: str, type_v: str,
-         num_k: int, num_v: int, num_q: int) -> Draft:
-    num_k = max(num_k, num_q)
+         num_k: int, num_v: int, num_q: int, num_questions: int = 1) -> Draft:
+    """One haystack; with num_questions > 1 the draft's alternatives ask about further keys of it (each question
+    its own num_q keys, never one asked before)."""
+    num_k = max(num_k, num_q * num_questions)
     keys, values, needles = [], [], []
     for _ in range(num_k):
         keys.append(_random_value(type_k, rng))
@@ -175,18 +188,23 @@ def niah(n: int, rng: random.Random, shuffle_seed: int, *, haystack_kind: str, t
         for index, needle in zip(sorted(rng.sample(range(n), len(needles)), reverse=True), needles):
             lines.insert(index, needle)
         context = "\n".join(lines)
-    asked = rng.sample(range(num_k), num_q)
-    queries = [keys[i] for i in asked]
-    outputs = [v for i in asked for v in values[i]]
-    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
-    template, prefix = TEMPLATES["niah"]
-    kind = type_v
-    if num_q * num_v == 1:           # RULER's singular rewrite, in this order
-        template, prefix = (t.replace("Some", "A").replace("are all", "is").replace("are", "is")
-                            .replace("answers", "answer") for t in (template, prefix))
-        kind = type_v[:-1]
-    fill = dict(type_needle_v=kind, context=context, query=query)
-    return Draft(template.format(**fill), prefix.format(**fill), outputs, {"depths": depths, "haystack": n})
+    asked = rng.sample(range(num_k), num_q * num_questions)
+    drafts = []
+    for j in range(num_questions):
+        mine = asked[j * num_q:(j + 1) * num_q]
+        queries = [keys[i] for i in mine]
+        outputs = [v for i in mine for v in values[i]]
+        query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+        template, prefix = TEMPLATES["niah"]
+        kind = type_v
+        if num_q * num_v == 1:           # RULER's singular rewrite, in this order
+            template, prefix = (t.replace("Some", "A").replace("are all", "is").replace("are", "is")
+                                .replace("answers", "answer") for t in (template, prefix))
+            kind = type_v[:-1]
+        fill = dict(type_needle_v=kind, context=context, query=query)
+        drafts.append(Draft(template.format(**fill), prefix.format(**fill), outputs,
+                            {"depths": depths, "haystack": n}, question=_after_context(template, **fill)))
+    return dataclasses.replace(drafts[0], alternatives=tuple(drafts[1:]))
 
 
 # ---- variable tracking ---------------------------------------------------------------------------------------
@@ -212,7 +230,7 @@ def vt(n: int, rng: random.Random, *, hops: int = 4, example: bool = False, icl:
     text = template.format(**fill)
     if icl:
         text = _renamed_example(icl, hops, rng) + "\n" + text
-    return Draft(text, prefix.format(**fill), names, {"haystack": n})
+    return Draft(text, prefix.format(**fill), names, {"haystack": n}, question=_after_context(template, **fill))
 
 
 def vt_example(draft: Draft) -> str:
@@ -257,7 +275,7 @@ def cwe(n: int, rng: random.Random, shuffle_seed: int, *, length: int) -> Draft:
     context, top = _word_list(n, 6 if small else 30, 1 if small else 3, rng, shuffle_seed)
     answer = prefix + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(example_top))
     return Draft(template.format(context=context), prefix, top, {"haystack": n},
-                 shots=((template.format(context=example_ctx), answer),))
+                 shots=((template.format(context=example_ctx), answer),), question=_after_context(template))
 
 
 # ---- frequent words extraction --------------------------------------------------------------------------------
@@ -278,7 +296,8 @@ def fwe(num_words: int, vocab: Sequence[str], shuffle_seed: int, alpha: float = 
     items = [w for k, w in enumerate(vocab, start=1) for _ in range(int(num_words * k ** -alpha / z))]
     random.Random(shuffle_seed).shuffle(items)
     template, prefix = TEMPLATES["fwe"]
-    return Draft(template.format(context=" ".join(items)), prefix, list(vocab[1:4]), {"haystack": num_words})
+    return Draft(template.format(context=" ".join(items)), prefix, list(vocab[1:4]), {"haystack": num_words},
+                 question=_after_context(template))
 
 
 # ---- QA ------------------------------------------------------------------------------------------------------
@@ -298,4 +317,46 @@ def qa(question: dict, documents: Sequence[str], n: int, rng: random.Random, shu
     context = "\n\n".join(DOCUMENT.format(i=i + 1, document=d) for i, d in enumerate(docs))
     template, prefix = TEMPLATES["qa"]
     return Draft(template.format(context=context, query=question["query"]), prefix, list(question["outputs"]),
-                 {"haystack": n})
+                 {"haystack": n}, question=_after_context(template, query=question["query"]))
+
+
+# ---- QA data: RULER's readings of SQuAD v2 and HotpotQA ------------------------------------------------------
+def read_squad(data: dict) -> tuple[list[dict], list[str]]:
+    """RULER's reading of SQuAD v2 dev json: sorted distinct paragraphs; answerable questions in file order."""
+    documents = sorted({p["context"] for d in data["data"] for p in d["paragraphs"]})
+    index = {c: i for i, c in enumerate(documents)}
+    questions = []
+    for d in data["data"]:
+        article = [index[p["context"]] for p in d["paragraphs"]]
+        for p in d["paragraphs"]:
+            for qa in p["qas"]:
+                if not qa.get("is_impossible"):
+                    questions.append({"query": qa["question"], "outputs": [a["text"] for a in qa["answers"]],
+                                      "context": [index[p["context"]]],
+                                      "more_context": [i for i in article if i != index[p["context"]]]})
+    return questions, documents
+
+
+def read_hotpotqa(data: list) -> tuple[list[dict], list[str]]:
+    """RULER's reading of HotpotQA dev distractor json: `title\\nsentences`, every listed paragraph gold."""
+    documents = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
+    index = {c: i for i, c in enumerate(documents)}
+    questions = [{"query": d["question"], "outputs": [d["answer"]],
+                  "context": [index[f"{t}\n{''.join(p)}"] for t, p in d["context"]]} for d in data]
+    return questions, documents
+
+
+def squad_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """The hub's flat SQuAD v2 rows regrouped into RULER's article/paragraph structure."""
+    articles: dict[str, dict[str, list]] = {}
+    for r in rows:
+        articles.setdefault(r["title"], {}).setdefault(r["context"], []).append(
+            {"question": r["question"], "answers": [{"text": t} for t in r["answers"]["text"]],
+             "is_impossible": not r["answers"]["text"]})
+    return read_squad({"data": [{"paragraphs": [{"context": c, "qas": q} for c, q in paras.items()]}
+                                for paras in articles.values()]})
+
+
+def hotpotqa_from_hub(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    return read_hotpotqa([{"question": r["question"], "answer": r["answer"],
+                           "context": list(zip(r["context"]["title"], r["context"]["sentences"]))} for r in rows])

@@ -95,7 +95,8 @@ def test_prompt_too_long_with_truncation_off():
         bos_token_id = None
         def encode(self, text, add_special_tokens=False):
             return list(range(len(text.split())))
-    s = Sample(id="x", prompt="word " * 50, answers=("a",), max_new_tokens=4, truncation="none", chat_template=False)
+    s = Sample(id="x", context="word " * 50, question="", answers=("a",), max_new_tokens=4, truncation="none",
+               chat_template=False)
     with pytest.raises(TaskError, match="max_input_tokens"):
         render_all([s], Tok(), max_input_tokens=10, max_model_len=100)
 

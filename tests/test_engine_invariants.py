@@ -1,9 +1,13 @@
 """Engine invariants under a seeded fuzz loop over arrivals, lengths and every policy, checked after each step.
 
-No block leaks once all requests finish; block tables only point at allocated blocks (never a freed one, never
-one block twice); the device tier never holds more than its capacity; a policy at budget >= context equals dense.
+No block leaks once all requests finish; block tables only point at allocated blocks (never a freed one, never one
+block twice in a slot); a block mapped by several slots (a shared context, a kept prefix) counts exactly that many
+references and is allocated once; the device tier never holds more than its capacity; a policy at budget >= context
+equals dense. The shared-context fuzz mixes query-aware, query-agnostic and shared-context requests (k readers per
+context, kept prefixes read by later requests) under preemption.
 """
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -49,15 +53,19 @@ def _check(engine):
         free = set(pool._stack[:pool.num_free].tolist())
         assert len(free) == pool.num_free                               # the free list holds no duplicate
         active = {s.slot for s in engine.scheduler.running if s.slot is not None}
+        active |= set(engine.scheduler.prefixes.holder_slots())
         for slot in range(table.shape[0]):
             ids = table[slot][table[slot] != 0].tolist()
             if slot not in active:
                 assert not ids, "a finished or free slot still maps blocks"
                 continue
             assert not (set(ids) & free), "a block table points at a freed block"
-        used = table[table != 0].tolist()
-        assert len(used) == len(set(used)), "one block mapped twice"
+            assert len(ids) == len(set(ids)), "one block mapped twice in a slot"
+        used = Counter(table[table != 0].tolist())
         assert len(used) == pool.num_used, "allocated blocks that no table maps (a leak)"
+        assert all(int(pool.refs[b]) == n for b, n in used.items()), "a reference count differs from its mappings"
+        assert int((pool.refs > 0).sum()) == pool.num_used
+        assert pool.num_shared == sum(n > 1 for n in used.values())
 
 
 def _fuzz(engine, seed):
@@ -101,3 +109,58 @@ def test_budget_at_least_context_equals_dense(tiny_llama_dir, name):
     dense = _fuzz(_engine(tiny_llama_dir, load_policy("dense", {}), blocks=4096), seed=5)
     other = _fuzz(_engine(tiny_llama_dir, load_policy(MODULE.get(name, name), big), blocks=4096), seed=5)
     assert other == dense
+
+
+def _shared_requests(rng, g, round_: int):
+    """Contexts read by 1-3 questions each (shared, query-agnostic), query-agnostic and query-aware requests alone,
+    and a prompt kept by one request and read by a forced pass."""
+    reqs = []
+    for c in range(3):
+        ctx = torch.randint(3, 200, (rng.randint(6, 90),), generator=g).tolist()
+        for j in range(rng.randint(1, 3)):
+            q = torch.randint(3, 200, (rng.randint(1, 15),), generator=g).tolist()
+            reqs.append(GenerationRequest(f"c{c}q{j}", ctx + q, rng.randint(1, 16), ignore_eos=True,
+                                          context_len=len(ctx), shared_context=f"{round_}-ctx{c}"))
+    lone = torch.randint(3, 200, (rng.randint(20, 80),), generator=g).tolist()
+    reqs.append(GenerationRequest("agnostic", lone, rng.randint(1, 16), ignore_eos=True,
+                                  context_len=rng.randint(1, len(lone))))
+    kept = torch.randint(3, 200, (rng.randint(5, 60),), generator=g).tolist()
+    reqs.append(GenerationRequest("keeper", kept, 6, ignore_eos=True, keep_prefill=f"{round_}-kept"))
+    reqs.append(GenerationRequest("forced", kept, 4, forced_output_ids=(5, 6, 7, 8), ignore_eos=True,
+                                  context_len=len(kept), shared_context=f"{round_}-kept"))
+    reqs.append(GenerationRequest("plain", torch.randint(3, 200, (40,), generator=g).tolist(), 8, ignore_eos=True))
+    rng.shuffle(reqs)
+    return reqs
+
+
+def _fuzz_shared(engine, seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    start = (engine.kv.free_device_blocks(), engine.kv.free_host_blocks())
+    reqs = _shared_requests(rng, g, seed)
+    arrive_at = sorted(rng.randint(0, 30) for _ in reqs)
+    seqs, step, pending = [], 0, list(zip(arrive_at, reqs))
+    while pending or engine.scheduler.has_work():
+        while pending and pending[0][0] <= step:
+            seqs.append(engine.add_request(pending.pop(0)[1]))
+        engine.step()
+        _check(engine)
+        step += 1
+        assert step < 5000
+    assert all(s.num_output_tokens == s.request.max_new_tokens and not s.error for s in seqs)
+    assert engine.release_prefix(f"{seed}-kept")
+    _check(engine)
+    assert not engine.scheduler.prefixes.by_key, "a prefix outlived its last reader"
+    assert (engine.kv.free_device_blocks(), engine.kv.free_host_blocks()) == start
+    return seqs
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_invariants_hold_with_shared_contexts(tiny_llama_dir, name):
+    engine = _engine(tiny_llama_dir, load_policy(MODULE.get(name, name), POLICIES[name]), blocks=160)
+    forked = 0
+    for seed in (0, 1):
+        forked += sum(s.forked for s in _fuzz_shared(engine, seed))
+    assert forked > 0 and engine.scheduler.prefixes.kept > 0           # readers did share built prefixes
+    if name == "dense":
+        assert engine.scheduler.num_preemptions > 0                  # the pool was tight enough to preempt

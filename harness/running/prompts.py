@@ -1,4 +1,5 @@
-"""Turn a task's Sample into model token ids: the task's truncation rule, then the model's chat template."""
+"""Turn a task's Sample into model token ids: the task's truncation rule, then the model's chat template; whole
+(`render`) or as a context part and a question part (`render_parts`, for query-agnostic and shared-context runs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -16,6 +17,30 @@ def truncate_middle(ids: list[int], max_tokens: int) -> list[int]:
 
 
 def render(sample: Sample, tokenizer: Any, max_input_tokens: int) -> list[int]:
+    text = _user_text(sample, tokenizer, max_input_tokens)
+    prefix = tokenizer.encode(sample.answer_prefix, add_special_tokens=False) if sample.answer_prefix else []
+    return _wrap(sample, tokenizer, text) + prefix
+
+
+def render_parts(sample: Sample, tokenizer: Any, max_input_tokens: int) -> tuple[list[int], list[int]]:
+    """`render`'s prompt split where the question starts: (context ids, question ids), concatenated exactly the
+    prompt. The context part holds the template's opening (BOS, system prompt, earlier turns, user header) and the
+    sample's context; the question part its question, the template's closing and the answer prefix. The split is
+    the longest token prefix the prompt shares with the rendering of the context alone, so a token merged across
+    the boundary goes to the question, and questions about one context split at the same place when they open
+    alike. A sample without a question, or whose question truncation cut, is all context (question part empty); one
+    without a context (and no template opening) is all question (context part empty: send it query-aware)."""
+    full = render(sample, tokenizer, max_input_tokens)
+    text = _user_text(sample, tokenizer, max_input_tokens)
+    if not sample.question or not text.endswith(sample.question):
+        return full, []
+    alone = _wrap(sample, tokenizer, text[:len(text) - len(sample.question)])
+    split = next((i for i, (a, b) in enumerate(zip(full, alone)) if a != b), min(len(full), len(alone)))
+    return full[:split], full[split:]
+
+
+def _user_text(sample: Sample, tokenizer: Any, max_input_tokens: int) -> str:
+    """The sample's text after the task's truncation rule."""
     text = sample.prompt
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) > max_input_tokens:
@@ -23,11 +48,15 @@ def render(sample: Sample, tokenizer: Any, max_input_tokens: int) -> list[int]:
             raise TaskError(f"sample {sample.id}: prompt has {len(ids)} tokens > model.max_input_tokens="
                             f"{max_input_tokens}; raise model.max_input_tokens or use a truncating task config")
         text = tokenizer.decode(truncate_middle(ids, max_input_tokens))
-    prefix = tokenizer.encode(sample.answer_prefix, add_special_tokens=False) if sample.answer_prefix else []
+    return text
+
+
+def _wrap(sample: Sample, tokenizer: Any, text: str) -> list[int]:
+    """The text in the model's chat template (or BOS + raw text), without the answer prefix."""
     if not sample.chat_template:
         bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None and _adds_bos(tokenizer) else []
-        return bos + tokenizer.encode(text, add_special_tokens=False) + prefix
-    return chat_prompt_ids(tokenizer, text, sample.system_prompt, sample.turns) + prefix
+        return bos + tokenizer.encode(text, add_special_tokens=False)
+    return chat_prompt_ids(tokenizer, text, sample.system_prompt, sample.turns)
 
 
 def _adds_bos(tokenizer: Any) -> bool:

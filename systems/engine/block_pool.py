@@ -1,4 +1,9 @@
-"""A free list of fixed-size KV blocks for one tier, with byte accounting (current and peak)."""
+"""A free list of fixed-size KV blocks for one tier, with reference counts and byte accounting (current and peak).
+
+A block may be mapped by several sequences at once (a shared compressed prefix): `share` adds a reference, `free`
+drops one and returns the block to the free list only when its last reference goes, so a shared page is allocated,
+counted and released once.
+"""
 from __future__ import annotations
 
 import torch
@@ -19,6 +24,8 @@ class BlockPool:
         self.bytes_per_block = bytes_per_block
         self._stack = torch.arange(num_blocks - 1, 0, -1, dtype=torch.int32)
         self._top = num_blocks - 1
+        self.refs = torch.zeros(num_blocks, dtype=torch.int32)     # mappings of each block (0 = free)
+        self.num_shared = 0                                         # blocks mapped more than once
         self.peak_used = 0
 
     @property
@@ -47,17 +54,47 @@ class BlockPool:
         # the stack top holds ascending runs (see free), so a fresh allocation is usually one contiguous run
         ids = self._stack[self._top - n:self._top].flip(0)
         self._top -= n
+        self.refs[ids.long()] = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return ids
 
+    def share(self, ids: torch.Tensor) -> None:
+        """One more mapping of each listed (allocated) block; a block listed twice gains two."""
+        ids = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        if ids.numel() == 0:
+            return
+        if bool((ids <= 0).any()) or bool((self.refs[ids] <= 0).any()):
+            raise RuntimeError(f"{self.tier} tier: sharing a free or invalid block")
+        uniq, counts = ids.unique(return_counts=True)
+        before = self.refs[uniq]
+        self.refs[uniq] = before + counts.to(torch.int32)
+        self.num_shared += int((before == 1).sum())
+
+    def shared(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool mask (same shape): the block is mapped more than once, so writing it needs a private copy."""
+        return self.refs[ids.to(device="cpu", dtype=torch.long)] > 1
+
     def free(self, ids: torch.Tensor) -> None:
-        ids = ids.reshape(-1).to(device="cpu", dtype=torch.int32)
-        n = ids.numel()
+        """Drop one mapping of each listed block; blocks left with none return to the free list."""
+        ids = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        if ids.numel() == 0:
+            return
+        if bool((ids <= 0).any()) or bool((ids >= self.num_blocks).any()):
+            raise RuntimeError(f"{self.tier} tier: freeing invalid or already-free blocks")
+        uniq, counts = ids.unique(return_counts=True)
+        before = self.refs[uniq]
+        left = before - counts.to(torch.int32)
+        if bool((left < 0).any()):
+            raise RuntimeError(f"{self.tier} tier: freeing invalid or already-free blocks")
+        self.refs[uniq] = left
+        self.num_shared -= int(((before > 1) & (left <= 1)).sum())
+        released = uniq[left == 0].to(torch.int32)
+        n = released.numel()
         if n == 0:
             return
-        if self._top + n > self.capacity or bool((ids <= 0).any()):
+        if self._top + n > self.capacity:
             raise RuntimeError(f"{self.tier} tier: freeing invalid or already-free blocks")
-        self._stack[self._top:self._top + n] = ids.sort(descending=True).values
+        self._stack[self._top:self._top + n] = released.sort(descending=True).values
         self._top += n
 
     def reset_peak(self) -> None:

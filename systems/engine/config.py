@@ -28,6 +28,7 @@ class EngineConfig:
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
     chunked_prefill: bool = True         # decodes share each step with prompt chunks (off in batch-invariant mode)
     fused_decode: bool = True            # CPU decode steps as fused C++ layers (false: one torch op at a time)
+    max_kept_prefixes: Optional[int] = None   # shared contexts / kept prefills parked at once; null = max_num_seqs
 
     @classmethod
     def coerce(cls, cfg: Any) -> EngineConfig:
@@ -68,5 +69,10 @@ class EngineConfig:
         for key in ("batch_invariant", "chunked_prefill", "fused_decode"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"system.engine.{key} must be true or false, got {getattr(self, key)!r}")
+        if self.max_kept_prefixes is not None and (not isinstance(self.max_kept_prefixes, int)
+                                                   or isinstance(self.max_kept_prefixes, bool)
+                                                   or self.max_kept_prefixes < 0):
+            raise ValueError(f"system.engine.max_kept_prefixes must be an integer >= 0 or null, got "
+                             f"{self.max_kept_prefixes!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
             raise ValueError(f"system.engine.threads must be a positive integer or null, got {self.threads!r}")

@@ -1,4 +1,8 @@
-"""The engine loop: add requests (at their arrival time), step the scheduler and model, finish sequences."""
+"""The engine loop: add requests (at their arrival time), step the scheduler and model, finish sequences.
+
+Requests may compress their context query-agnostically (GenerationRequest.context_len), read a shared compressed
+context or a kept prefix (shared_context), or keep their prompt's state for later requests (keep_prefill); see
+engine/prefix.py. A prefix stays until its last reader finishes; a kept one also until `release_prefix`."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +20,7 @@ from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import load_ops
 from systems.engine.sampler import check_sampling, sample
-from systems.engine.scheduler import Scheduler, SequenceError
+from systems.engine.scheduler import Scheduler, SequenceError, Step
 from systems.engine.sequence import Sequence, Status
 from systems.hardware import resolve_dtype
 from systems.policies.base import Policy
@@ -40,13 +44,14 @@ class Engine:
         if cfg.threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.threads)
         self.dtype = resolve_dtype(dtype, self.device)
+        kept = cfg.max_num_seqs if cfg.max_kept_prefixes is None else cfg.max_kept_prefixes
         self.model = LlamaModel(model_dir, self.dtype, self.device)
         spec = self.model.spec
         self.max_model_len = max_model_len or spec.max_position_embeddings
         self.ops = load_ops(self.device)
         self.kv = TieredKVCache(
             num_layers=spec.num_layers, num_q_heads=spec.num_q_heads, num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim, page_size=cfg.page_size, max_seqs=cfg.max_num_seqs,
+            head_dim=spec.head_dim, page_size=cfg.page_size, max_seqs=cfg.max_num_seqs + kept,
             max_model_len=self.max_model_len, device_memory_gb=cfg.device_memory_gb,
             host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops,
             scale=spec.attn_scale)
@@ -55,7 +60,8 @@ class Engine:
         # batch-invariant mode never mixes prefill and decode rows in one forward (a row's matmul shape would then
         # depend on its neighbours), so it prefills whole prompts
         self.scheduler = Scheduler(self.kv, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   chunked_prefill=cfg.chunked_prefill and not cfg.batch_invariant)
+                                   chunked_prefill=cfg.chunked_prefill and not cfg.batch_invariant,
+                                   kept_prefixes=kept)
         self.runner = ModelRunner(self.model, self.kv, policy, self.ops, batch_invariant=cfg.batch_invariant,
                                   fused=cfg.fused_decode)
         eos = set(spec.eos_token_ids)
@@ -104,10 +110,28 @@ class Engine:
                                  "forced output tokens")
             if not _ids_ok(forced, vocab):
                 raise ValueError(f"request {rid}: forced output ids must be integers in [0, {vocab})")
+        self._check_context(request)
         total = len(ids) + n
         if total > self.max_model_len:
             raise ValueError(f"request {rid}: prompt + max_new_tokens = {total} exceeds the "
                              f"engine's max_model_len {self.max_model_len}; truncate the prompt")
+
+    @staticmethod
+    def _check_context(request: GenerationRequest) -> None:
+        rid, ctx = request.request_id, request.context_len
+        if ctx is not None and (type(ctx) is not int or not 1 <= ctx <= len(request.prompt_token_ids)):
+            raise ValueError(f"request {rid}: context_len={ctx!r} must be an integer in [1, prompt length "
+                             f"{len(request.prompt_token_ids)}]")
+        for name in ("shared_context", "keep_prefill"):
+            key = getattr(request, name)
+            if key is not None and (not isinstance(key, str) or not key):
+                raise ValueError(f"request {rid}: {name}={key!r} must be a non-empty string")
+        if request.shared_context is not None and ctx is None:
+            raise ValueError(f"request {rid}: shared_context needs context_len (how many prompt tokens it shares)")
+
+    def release_prefix(self, key: str) -> bool:
+        """Unpin a prefix kept by keep_prefill: freed now, or when its last reader finishes. False: no such key."""
+        return self.scheduler.prefixes.release(key)
 
     def step(self) -> list[Sequence]:
         """One scheduler step (one forward over decodes and prompt chunks); returns the sequences that finished.
@@ -127,26 +151,32 @@ class Engine:
             if nxt is not None and not self.scheduler.running:
                 time.sleep(min(max(nxt - now, 0.0), 0.05))
             return []
-        try:
-            logits = self.runner.run_step(work.decodes, work.chunks)
-        except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone
-            in_step = work.decodes + [s for s, _, _ in work.chunks]
-            if len(in_step) == 1:
-                self.fail(in_step[0], exc)
-                return in_step
-            self.scheduler.isolate(in_step)
-            return []
+        finished: list[Sequence] = []
+        logits = None
+        if work.decodes or work.chunks:
+            try:
+                logits = self.runner.run_step(work.decodes, work.chunks)
+            except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone
+                in_step = work.decodes + [s for s, _, _ in work.chunks]
+                if len(in_step) == 1:
+                    self.fail(in_step[0], exc)
+                    finished = in_step
+                else:
+                    self.scheduler.isolate(in_step)
+                if not work.from_prefix:
+                    return finished
+                work.decodes, work.chunks = [], []
+            else:
+                self.steps["prefill" if work.chunks else "decode"] += 1
         for seq, _, end in work.chunks:
             seq.num_computed = end
-        seqs = work.decodes + [s for s, _, end in work.chunks if end == s.prefill_len]
-        self.steps["prefill" if work.chunks else "decode"] += 1
+        seqs, logits = self._token_rows(work, logits)
         self._track_minmax()
         if not seqs:                 # only partial chunks: no token yet
-            return []
+            return finished
         tokens = sample(logits, seqs)
         self._record_logprobs(seqs, logits, tokens)
         stamp = time.perf_counter()  # after sampling, which waits for the device: the token exists now
-        finished = []
         for seq, tok in zip(seqs, tokens):
             try:
                 if isinstance(tok, Exception):
@@ -163,6 +193,25 @@ class Engine:
             if done:
                 finished.append(seq)
         return finished
+
+    def _token_rows(self, work: Step, logits: torch.Tensor | None) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences that get a token this step and their logits rows; keeps the prefixes whose builders'
+        chunks just reached them (the forward returned a logits row for each, see Sequence.logits_at)."""
+        rows = work.decodes + [s for s, _, end in work.chunks if s.logits_at(end)]
+        seqs = work.decodes + [s for s, _, end in work.chunks if end == s.prefill_len]
+        for seq, _, end in work.chunks:
+            for prefix in [p for p in seq.builds if p.length == end]:
+                assert logits is not None
+                self.scheduler.prefixes.keep(seq, prefix, logits[rows.index(seq)])
+        if logits is not None and len(rows) != len(seqs):
+            logits = logits[[rows.index(s) for s in seqs]]
+        if work.from_prefix:        # forked with nothing left to prefill: the prefix's own next-token logits
+            rows_kept = [s.prefix_logits for s in work.from_prefix if s.prefix_logits is not None]
+            assert len(rows_kept) == len(work.from_prefix)
+            kept = torch.stack(rows_kept)
+            logits = kept if logits is None else torch.cat([logits.float(), kept.to(logits.device)])
+            seqs = seqs + work.from_prefix
+        return seqs, logits if logits is not None else torch.empty(0)
 
     def fail(self, seq: Sequence, exc: BaseException) -> None:
         """Finish one sequence with an error (its blocks freed); the rest of the batch is untouched."""
@@ -219,6 +268,8 @@ class Engine:
     def _track_minmax(self) -> None:
         pages = sum(-(-(s.num_computed if s.in_prefill else len(s.token_ids)) // self.kv.page_size)
                     for s in self.scheduler.running)
+        pages += sum(-(-int(self.kv.num_tokens[slot].max()) // self.kv.page_size)       # parked prefixes' rows
+                     for slot in self.scheduler.prefixes.holder_slots())
         live = pages * self.kv.num_layers * self.kv.num_kv_heads * self.kv.minmax_bytes_per_page
         self.minmax_peak_bytes = max(self.minmax_peak_bytes, live)
 

@@ -1,8 +1,9 @@
 """Tiered paged KV storage: device and host pools of head-pages, per-(seq, layer, KV head) tables, the MinMax cache.
 
-Implements systems.policies.base.KVView. On CUDA the host pool is pinned and tier copies run on a low-priority
-stream; on CPU both pools are RAM but separate tensors, and every tier copy is a real copy. No CUDA API is touched
-unless the device is CUDA.
+Implements systems.policies.base.KVView. Blocks may be mapped by several slots (kv_sharing.py: forks, copy on
+write); tier copies live in kv_tiers.py. On CUDA the host pool is pinned and tier copies run on a low-priority stream;
+on CPU both pools are RAM but separate tensors, and every tier copy is a real copy. No CUDA API is touched unless the
+device is CUDA.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from systems.engine.block_pool import BlockPool
+from systems.engine.kv_tiers import TierCopies
 from systems.engine.ops import load_ops
 from systems.policies.base import block_bytes
 
@@ -25,7 +27,7 @@ def _pool(n: int, shape: tuple, dtype: torch.dtype, device: torch.device, pin: b
     return torch.empty((n, *shape), dtype=dtype, device=device)
 
 
-class TieredKVCache:
+class TieredKVCache(TierCopies):
     def __init__(self, *, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_model_len: int, device_memory_gb: float, host_memory_gb: float,
                  dtype: torch.dtype, device: torch.device, ops: Any = None, scale: float | None = None) -> None:
@@ -84,6 +86,10 @@ class TieredKVCache:
         P = self.page_size
         first, end = start // P, -(-(start + n) // P)
         have = -(-start // P)                                           # pages already holding the earlier tokens
+        if start % P:
+            heads = torch.arange(H, device=self.device)
+            self.own_device_pages(torch.full_like(heads, slot), torch.full_like(heads, layer), heads,
+                                  torch.full_like(heads, first))
         if end > have:
             self.block_table[slot, layer, :, have:end] = self._alloc_device(H * (end - have)).view(H, end - have)
         ids = self.block_table[slot, layer, :, :end].long()
@@ -107,21 +113,59 @@ class TieredKVCache:
         v = self.v_pool.index_select(0, ids).view(shape)[:, :n]
         return k.transpose(0, 1), v.transpose(0, 1)
 
+    def append_tokens(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append n tokens' K/V [n, Hkv, D] to one layer after each head's stored tokens (a question's extension of
+        a compressed cache, whose heads may hold different counts): the head's partial last page first (it must be
+        resident), then fresh pages; MinMax kept exact."""
+        n, H, D = k.shape
+        P = self.page_size
+        cnt = self.num_tokens[slot, layer].long()                        # [H]
+        end = cnt + n
+        heads = torch.arange(H, device=self.device)
+        partial = heads[cnt % P != 0]
+        if partial.numel():
+            last = cnt[partial] // P
+            if bool((self.block_table[slot, layer, partial, last] == 0).any()):
+                raise ValueError("append_tokens: a head's partial last page is not resident")
+            self.own_device_pages(torch.full_like(partial, slot), torch.full_like(partial, layer), partial, last)
+        hh, pp = _page_runs(heads, -(-cnt // P), -(-end // P))           # pages that get a block now
+        if hh.numel():
+            self.block_table[slot, layer, hh, pp] = self._alloc_device(hh.numel())
+        tok = cnt.view(H, 1) + torch.arange(n, device=self.device).view(1, n)          # [H, n] storage index
+        blk = self.block_table[slot, layer].gather(-1, tok // P).long()
+        self.ops.store_kv(self.k_pool, self.v_pool, k.transpose(0, 1).reshape(H * n, D),
+                          v.transpose(0, 1).reshape(H * n, D), blk.reshape(-1), (tok % P).reshape(-1))
+        self.num_tokens[slot, layer] = end.to(self.num_tokens.dtype)
+        hh, pp = _page_runs(heads, cnt // P, (end - 1) // P + 1)         # every page that received a token
+        fill = (end[hh] - pp * P).clamp(max=P)
+        lo, hi = self.ops.page_minmax(self.k_pool, self.block_table[slot, layer, hh, pp], fill)
+        self.kmin[slot, layer, hh, pp] = lo
+        self.kmax[slot, layer, hh, pp] = hi
+
     def decode_blocks_needed(self, slots: torch.Tensor) -> torch.Tensor:
-        """[B, L, Hkv] bool: heads whose next token opens a page that has no device block yet."""
+        """[B, L, Hkv] bool: heads whose next token opens a page that has no device block yet, or lands in a page
+        shared with another slot (it gets a private copy first)."""
         cnt = self.num_tokens[slots].long()
         page = (cnt // self.page_size).clamp(max=self.max_pages - 1)
-        resident = self.block_table[slots].gather(-1, page.unsqueeze(-1)).squeeze(-1) != 0
-        return (cnt % self.page_size == 0) & ~resident
+        blk = self.block_table[slots].gather(-1, page.unsqueeze(-1)).squeeze(-1)
+        need = (cnt % self.page_size == 0) & (blk == 0)
+        if self.device_blocks.num_shared:
+            need |= (blk != 0) & self.device_blocks.shared(blk).to(blk.device)
+        return need
 
     def allocate_decode(self, slots: torch.Tensor, need: torch.Tensor) -> None:
-        """Give every head flagged in `need` (from decode_blocks_needed) a block for its next page."""
+        """Give every head flagged in `need` (from decode_blocks_needed) a block for its next page (a private copy
+        of it when it is shared)."""
         b, layer, head = need.nonzero(as_tuple=True)
         if b.numel() == 0:
             return
         s = slots[b]
         page = self.num_tokens[s, layer, head].long() // self.page_size
-        self.block_table[s, layer, head, page] = self._alloc_device(b.numel())
+        opens = self.block_table[s, layer, head, page] == 0
+        self.own_device_pages(s[~opens], layer[~opens], head[~opens], page[~opens])
+        if bool(opens.any()):
+            self.block_table[s[opens], layer[opens], head[opens], page[opens]] = self._alloc_device(
+                int(opens.sum()))
 
     def append_decode(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one token's K/V [B, Hkv, D] per sequence to each head's last page, keeping MinMax exact."""
@@ -226,6 +270,11 @@ class TieredKVCache:
                 raise ValueError("keep_tokens: the head has non-resident pages; promote or drop them first")
             k_kept, v_kept = (pool.index_select(0, ids).view(-1, self.head_dim)[idx]     # copies, not views
                               for pool in (self.k_pool, self.v_pool))
+            if self.device_blocks.num_shared:          # the compaction rewrites the leading pages: own them first
+                lead = torch.arange(new_pages, device=self.device)
+                self.own_device_pages(torch.full_like(lead, slot), torch.full_like(lead, layer),
+                                      torch.full_like(lead, h), lead, copy=False)
+                ids = self.block_table[slot, layer, h, :old_pages].long()
             pos = torch.arange(n_keep, device=self.device)
             self.ops.store_kv(self.k_pool, self.v_pool, k_kept, v_kept, ids[pos // P], pos % P)
             self.device_blocks.free(ids[new_pages:])
@@ -244,6 +293,7 @@ class TieredKVCache:
         last = self.num_tokens[s, layer, h].long() - 1
         if bool((idx > last).any()) or bool((last < 1).any()):
             raise ValueError("drop_tokens: index beyond the head's tokens, or the head would become empty")
+        self.own_device_pages(s, torch.full_like(s, layer), h, idx // P)     # the hole's page is written
         blk_last = self.block_table[s, layer, h, last // P].long()
         blk_hole = self.block_table[s, layer, h, idx // P].long()
         self.k_pool[blk_hole, idx % P] = self.k_pool[blk_last, last % P]
@@ -263,88 +313,11 @@ class TieredKVCache:
         self.kmin[ss, layer, hh, pages] = lo
         self.kmax[ss, layer, hh, pages] = hi
 
-    # ---- KVView: tiers ---------------------------------------------------------------------------------------------
-    def _copy(self, dst_k: torch.Tensor, dst_v: torch.Tensor, dst_ids: torch.Tensor, src_k: torch.Tensor,
-              src_v: torch.Tensor, src_ids: torch.Tensor) -> None:
-        if self._copy_stream is None:
-            dst_k.index_copy_(0, dst_ids, src_k.index_select(0, src_ids))
-            dst_v.index_copy_(0, dst_ids, src_v.index_select(0, src_ids))
-            return
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._copy_stream):
-            d, s = dst_ids.to(dst_k.device, non_blocking=True), src_ids.to(src_k.device, non_blocking=True)
-            dst_k.index_copy_(0, d, src_k.index_select(0, s).to(dst_k.device, non_blocking=True))
-            dst_v.index_copy_(0, d, src_v.index_select(0, s).to(dst_v.device, non_blocking=True))
 
-    def offload_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor
-                      ) -> None:
-        s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
-        if s.numel() == 0:
-            return
-        dev = self.block_table[s, lay, h, p].long()
-        if bool((dev == 0).any()):
-            raise ValueError("offload_pages: a listed page is not resident on the device")
-        host = self.host_table[s, lay, h, p].long()
-        fresh = host == 0
-        host[fresh] = self.host_blocks.alloc(int(fresh.sum())).to(self.device).long()
-        self.host_table[s, lay, h, p] = host.to(torch.int32)
-        self._copy(self.host_k_pool, self.host_v_pool, host.cpu(), self.k_pool, self.v_pool, dev)
-        self.bytes_device_to_host += s.numel() * self.bytes_per_block
-
-    def release_device_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor,
-                             pages: torch.Tensor) -> None:
-        s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
-        if self._copy_stream is not None:
-            torch.cuda.current_stream().wait_stream(self._copy_stream)  # an offload may still read these blocks
-        dev = self.block_table[s, lay, h, p]
-        self.device_blocks.free(dev[dev != 0])
-        self.block_table[s, lay, h, p] = 0
-
-    def promote_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor,
-                      recycle: torch.Tensor | None = None) -> None:
-        s, lay, h, p = (t.to(self.device).long() for t in (slots, layers, heads, pages))
-        if s.numel() == 0:
-            return
-        host = self.host_table[s, lay, h, p].long()
-        if bool((host == 0).any()):
-            raise ValueError("promote_pages: a listed page has no host copy")
-        if recycle is None:
-            dev = self._alloc_device(s.numel()).long()
-        else:
-            r = recycle.to(self.device).long()
-            dev = self.block_table[s, lay, h, r].long()
-            if bool((dev == 0).any()):
-                raise ValueError("promote_pages: a recycle page is not resident")
-            self.block_table[s, lay, h, r] = 0
-        self.block_table[s, lay, h, p] = dev.to(torch.int32)
-        self._copy(self.k_pool, self.v_pool, dev, self.host_k_pool, self.host_v_pool, host.cpu())
-        self.bytes_host_to_device += s.numel() * self.bytes_per_block
-        if self._copy_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._copy_stream)
-            for slot in s.unique().tolist():
-                self._inflight[slot] = event
-
-    # ---- KVView: scheduling ----------------------------------------------------------------------------------------
-    def pause(self, slot: int) -> None:
-        self._paused.add(slot)
-
-    def take_paused(self) -> set[int]:
-        """Slots paused by the policy or with a promotion still in flight; clears the policy's pause requests."""
-        paused, self._paused = self._paused, set()
-        for slot, event in list(self._inflight.items()):
-            if event.query():
-                del self._inflight[slot]
-            else:
-                paused.add(slot)
-        return paused
-
-    def wait_slot(self, slot: int) -> None:
-        event = self._inflight.pop(slot, None)
-        if event is not None:
-            event.synchronize()
-
-    def sync_copies(self) -> None:
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-        self._inflight.clear()
+def _page_runs(heads: torch.Tensor, start: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(head, page) for every page start[h] <= page < stop[h] of each head, flattened head by head."""
+    length = (stop - start).clamp(min=0)
+    total = int(length.sum())
+    hh = heads.repeat_interleave(length)
+    offset = torch.arange(total, device=heads.device) - (length.cumsum(0) - length).repeat_interleave(length)
+    return hh, start.repeat_interleave(length) + offset

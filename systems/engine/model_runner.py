@@ -1,4 +1,8 @@
-"""Runs the model over a prefill or decode batch, storing K/V in pages and calling the policy hooks per layer."""
+"""Runs the model over a prefill or decode batch, storing K/V in pages and calling the policy hooks per layer.
+
+A prompt chunk is either prefill (positions before the sequence's compress_end: stored in position order, the
+policy's after-prefill hooks at its end) or, in query-agnostic mode, an extension: tokens after a compressed context
+appended to every head's cache (engine/extension.py) with the policy's after-extend hooks."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,6 +12,7 @@ import torch
 
 from systems.engine import fused_decode
 from systems.engine.config import DECODE_TILE, PREFILL_TILE
+from systems.engine.extension import appended_attention
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
 from systems.engine.sequence import Sequence
@@ -32,6 +37,7 @@ class ModelRunner:
         self.decode_tile = DECODE_TILE if batch_invariant else None
         # policies that keep Policy's no-op after_prefill_layer need no prompt queries kept across chunks
         self._prompt_hook = type(policy).after_prefill_layer is not Policy.after_prefill_layer
+        self._extend_hook = type(policy).after_extend_layer is not Policy.after_extend_layer
         self.fused_unsupported = "turned off" if not fused else "no model" if model is None else \
             fused_decode.unsupported(model, kv)
         self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
@@ -50,7 +56,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, decodes: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> torch.Tensor:
         """One forward over decode tokens and prompt chunks (sequence, start, end) together; returns logits [R, V]
-        for the rows that yield a token: every decode, then every chunk that completes its prompt."""
+        for the rows that yield them: every decode, then every chunk that completes its prompt or a prefix it keeps
+        (Sequence.logits_at)."""
         if not chunks:
             return self.decode(decodes)
         dev = self.device
@@ -61,14 +68,17 @@ class ModelRunner:
         for _, a, b in chunks:
             bounds.append(bounds[-1] + b - a)
         slots = torch.tensor([s.slot for s in decodes], device=dev)
-        dec_infos, infos = [s.info() for s in decodes], [s.info() for s, _, _ in chunks]
+        dec_infos = [s.info() for s in decodes]
+        # an extension's hooks see the tokens processed so far (the chunk included), like a decode step's
+        infos = [s.info(seq_len=b) if a >= s.compress_end else s.info() for s, a, b in chunks]
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             nd = len(decodes)
             outs = [self.decode_layer(layer, q[:nd], k[:nd], v[:nd], slots, dec_infos)] if nd else []
             for i, (seq, a, b) in enumerate(chunks):
                 r0, r1 = bounds[i], bounds[i + 1]
-                outs.append(self._prefill_layer(seq, infos[i], layer, a, b, q[r0:r1], k[r0:r1], v[r0:r1]))
+                part = self._extend_layer if a >= seq.compress_end else self._prefill_layer
+                outs.append(part(seq, infos[i], layer, a, b, q[r0:r1], k[r0:r1], v[r0:r1]))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
         tile = self.prefill_tile if chunks else self.decode_tile
@@ -77,7 +87,7 @@ class ModelRunner:
             if seq.request.prompt_logprobs is not None:
                 self._score_prompt(seq, a, b, hidden[bounds[i]:bounds[i + 1]])
         rows = list(range(len(decodes))) + [bounds[i + 1] - 1 for i, (s, _, b) in enumerate(chunks)
-                                            if b == s.prefill_len]
+                                            if s.logits_at(b)]
         return self._model().logits(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], tile=self.decode_tile)
 
     def _score_prompt(self, seq: Sequence, a: int, b: int, hidden: torch.Tensor) -> None:
@@ -108,13 +118,23 @@ class ModelRunner:
         out = self.ops.prompt_attention(q, keys, values, kv.scale, window=self.windows[layer])
         if not self._prompt_hook:
             return out
-        if b < seq.prefill_len:      # the hook sees the whole prompt: keep this chunk's queries (keys stay stored)
+        if b < seq.compress_end:     # the hook sees the whole prompt: keep this chunk's queries (keys stay stored)
             seq.prompt_q.setdefault(layer, []).append(q.clone())
         else:
             parts = seq.prompt_q.pop(layer, [])
             q_all = torch.cat([*parts, q]) if parts else q
             k_all = kv.prompt_kv(info.slot, layer, b)[0] if parts else k
             self.policy.after_prefill_layer(kv, info, layer, q_all, k_all)
+        return out
+
+    def _extend_layer(self, seq: Sequence, info: SeqInfo, layer: int, a: int, b: int, q: torch.Tensor,
+                      k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Positions a..b-1 after a compressed context: append them to every head, attend to what each head holds
+        on the device, then the policy's after-extend hook (they are not compressed)."""
+        self.kv.append_tokens(info.slot, layer, k, v)
+        out = appended_attention(q, self.kv, info.slot, layer, window=self.windows[layer])
+        if self._extend_hook:
+            self.policy.after_extend_layer(self.kv, info, layer, q, k)
         return out
 
     @torch.inference_mode()

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from systems.base import GenerationRequest
 from systems.policies.base import SeqInfo
+
+if TYPE_CHECKING:
+    from systems.engine.prefix import Prefix
 
 
 class Status(Enum):
@@ -27,6 +31,13 @@ class Sequence:
         self.slot: int | None = None
         self.prefill_len = 0
         self.num_computed = 0                   # prompt tokens stored so far (chunked prefill), prefill_len when done
+        # query-agnostic: the policy compresses the first context_len tokens alone, the rest is appended after them
+        self.context_len: int | None = request.context_len
+        self.reads: Prefix | None = None        # the shared context (or kept prefix) it reads, see engine/prefix.py
+        self.keeps: Prefix | None = None        # the prefix it keeps for later requests (keep_prefill)
+        self.builds: list[Prefix] = []          # prefixes this admission snapshots when num_computed reaches them
+        self.forked = False                     # its last admission forked a prefix instead of prefilling it
+        self.prefix_logits: torch.Tensor | None = None   # the forked prefix's next-token logits
         # chunked prefill: each layer's query rows of the chunks so far, for the hooks that see the whole prompt
         self.prompt_q: dict[int, list[torch.Tensor]] = {}
         self.decode_step = 0
@@ -58,11 +69,28 @@ class Sequence:
         return self.num_computed < self.prefill_len
 
     @property
+    def compress_end(self) -> int:
+        """Tokens the policy compresses on their own: the context (query-agnostic), else the whole prefill."""
+        return self.prefill_len if self.context_len is None else self.context_len
+
+    def next_boundary(self) -> int:
+        """Where the next prompt chunk must stop: the end of the context (its hooks run before anything is
+        appended), a prefix to keep, or the end of the prefill."""
+        stops = [self.prefill_len] + [p.length for p in self.builds if p.length > self.num_computed]
+        if self.num_computed < self.compress_end:
+            stops.append(self.compress_end)
+        return min(stops)
+
+    def logits_at(self, end: int) -> bool:
+        """Whether a chunk ending at `end` yields next-token logits: the end of the prefill, or a kept prefix."""
+        return end == self.prefill_len or any(p.length == end for p in self.builds)
+
+    @property
     def remaining_tokens(self) -> int:
         return self.request.max_new_tokens - self.num_output_tokens
 
-    def info(self) -> SeqInfo:
+    def info(self, seq_len: int | None = None) -> SeqInfo:
         assert self.slot is not None, "only a scheduled sequence has a slot"
-        return SeqInfo(slot=self.slot, request_id=self.request.request_id, prefill_len=self.prefill_len,
-                       seq_len=len(self.token_ids), decode_step=self.decode_step,
+        return SeqInfo(slot=self.slot, request_id=self.request.request_id, prefill_len=self.compress_end,
+                       seq_len=len(self.token_ids) if seq_len is None else seq_len, decode_step=self.decode_step,
                        max_new_tokens=self.request.max_new_tokens)

@@ -14,6 +14,8 @@ from systems.policies.base import Policy
 
 class EngineSystem:
     supports_forced_decoding = True     # GenerationRequest.forced_output_ids / logprob_steps are honoured
+    # GenerationRequest.context_len (query-agnostic compression), shared_context and keep_prefill are honoured
+    supports_shared_context = True
 
     def __init__(self, model_dir: str, policy_name: str, policy_params: dict | None, engine: Any,
                  dtype: str = "auto", name: str = "engine-dense", device: str | None = None,
@@ -79,6 +81,10 @@ class EngineSystem:
                 logprobs=torch.stack(seq.logprob_rows) if seq.logprob_rows else None))
         return out
 
+    def release_prefix(self, key: str) -> bool:
+        """Let a prefix kept by keep_prefill go (now, or when its last reader finishes); False: no such key."""
+        return self.engine.release_prefix(key)
+
     def memory_report(self) -> MemoryReport:
         kv = self.engine.kv
         return MemoryReport(
@@ -94,6 +100,7 @@ class EngineSystem:
                    "host_kv_capacity_bytes": kv.host_blocks.capacity * kv.bytes_per_block,
                    "page_size": kv.page_size, "bytes_per_block": kv.bytes_per_block,
                    "preemptions": self.engine.scheduler.num_preemptions,
+                   "prefixes_kept": self.engine.scheduler.prefixes.kept,
                    "prefill_steps": self.engine.steps["prefill"], "decode_steps": self.engine.steps["decode"],
                    "dtype": str(self.engine.dtype).replace("torch.", "")})
 
@@ -104,6 +111,7 @@ class EngineSystem:
         kv.bytes_host_to_device = kv.bytes_device_to_host = 0
         self.engine.minmax_peak_bytes = 0
         self.engine.scheduler.num_preemptions = 0
+        self.engine.scheduler.prefixes.kept = 0
         self.engine.steps = {"prefill": 0, "decode": 0}
 
     def close(self) -> None:

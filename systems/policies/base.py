@@ -5,6 +5,10 @@ this order for each sequence (identified by its `slot`, an integer in [0, max_nu
 
     reset(slot)                                   admitted (also after a preemption: it is prefilled again)
     after_prefill_layer(kv, seq, layer, q, k)     once per layer, as soon as that layer's prefill KV is stored
+    after_extend_layer(kv, seq, layer, q, k)      query-agnostic requests: per layer, after the question's tokens
+                                                  were appended to the compressed context (not compressed)
+    fork(kv, src, dst)                            instead of reset: slot dst starts from slot src's cache (a
+                                                  shared context's reader, or a kept prefix)
     ... per decode step, for the running batch:
     begin_decode_step(kv, seqs)                   before the forward; may kv.pause(slot) to skip a sequence this step
     select_pages(kv, step) -> pages | None        per layer, after the new token is appended, before attention
@@ -48,8 +52,11 @@ class SeqInfo:
 
     slot: int
     request_id: str
-    prefill_len: int        # tokens run through prefill (the prompt, plus earlier outputs after a preemption)
+    # tokens the after-prefill hooks compressed: the prompt (plus earlier outputs after a preemption), or in
+    # query-agnostic mode its context only
+    prefill_len: int
     seq_len: int            # tokens the sequence has processed so far, including the one being decoded now
+                            # (in after_extend_layer: including the appended rows)
     decode_step: int        # 0 during prefill, 1 at the first decode step, then 2, 3, ...
     max_new_tokens: int
 
@@ -279,6 +286,23 @@ class Policy:
         values are in kv.v_pool via gather_tokens). Evict (kv.keep_tokens), offload (kv.offload_pages /
         release_device_pages) or re-evict earlier layers here (CAKE's cascading). Layers arrive in order
         0 .. L-1; layer L-1 is the end of the sequence's prefill."""
+
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Query-agnostic mode (kvpress's default): the context was prefilled and compressed alone, and n more
+        tokens — the question, and after a preemption the outputs so far — were appended to `layer` after every
+        head's stored tokens (storage rows num_tokens - n .. num_tokens - 1 of each head, positions seq.seq_len - n
+        .. seq.seq_len - 1) and attended to what each head holds on the device. q: [n, Hq, D], k: [n, Hkv, D]
+        post-RoPE. These tokens are not compressed here (only the context is); record the per-token state that
+        decode-time hooks read (positions, scores) and keep placement rules (a sliding window, host copies of full
+        pages). Decode-time hooks then treat them like any earlier token. Default: nothing."""
+
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        """Slot dst starts as a copy of slot src's cache (the engine already forked the KV: same pages, shared;
+        see the engine's prefix sharing): a shared context's reader, or a prefix kept for later requests. Copy the
+        per-slot state that later hooks read, so dst continues exactly as src would. Default: reset(dst), right
+        for policies whose per-slot state only counts what a sequence did (a policy with decode-time state
+        overrides this)."""
+        self.reset(dst)
 
     def begin_decode_step(self, kv: KVView, seqs: list[SeqInfo]) -> None:
         """Before each decode step's forward, for the sequences about to decode; may call kv.pause(slot)."""

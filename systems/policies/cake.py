@@ -195,6 +195,23 @@ class Cake(Policy):
         kv.keep_tokens(slot, layer, list(torch.cat([top, window], dim=-1).unbind(0)))
         st.budgets[layer] = budget
 
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        """A reader of a forked cache continues with the source's realized budgets and decode ledger."""
+        st = self._state.get(src)
+        if st is None:
+            self._state.pop(dst, None)
+        else:
+            self._state[dst] = _SlotState(prefs=list(st.prefs), scores=list(st.scores), positions=list(st.positions),
+                                          ranks=list(st.ranks), budgets=list(st.budgets))
+        self.ledger.copy(src, dst)
+
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A query-agnostic question is kept whole: its tokens join the decode ledger after every ranked token, as
+        decode tokens do (decode eviction then holds the layer at its size after the question)."""
+        n = q.shape[0]
+        pos = torch.arange(seq.seq_len - n, seq.seq_len, device=q.device)
+        self.ledger.extend(seq.slot, layer, pos, (APPENDED + pos.float()).expand(kv.num_kv_heads, n))
+
     # ---- decode --------------------------------------------------------------------------------------------------
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots = step.layer, step.slots

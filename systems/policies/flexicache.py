@@ -165,6 +165,32 @@ class FlexiCache(Policy):
             stats["released_pages"] += pp.numel()
         stats["copy_time_s"] += time.perf_counter() - t0
 
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A query-agnostic question appended after the compressed context: the stable heads' pages it filled get
+        their host copies, as decode fills do (ranking waits for decode step 1, with a decode query)."""
+        stable = self._stable_heads[layer]
+        P, n = kv.page_size, q.shape[0]
+        first, full = (seq.seq_len - n) // P, seq.seq_len // P          # pages filled by these tokens
+        if stable.numel() == 0 or full <= first:
+            return
+        self._held.pop(layer, None)
+        hh = stable.repeat_interleave(full - first)
+        pp = torch.arange(first, full, device=kv.device).repeat(stable.numel())
+        fresh = kv.host_table[seq.slot, layer, hh, pp] == 0
+        t0 = time.perf_counter()
+        self._tier_call(kv.offload_pages, seq.slot, layer, hh[fresh], pp[fresh])
+        stats = self._stats[seq.slot]
+        stats["offloaded_pages"] += int(fresh.sum())
+        stats["copy_time_s"] += time.perf_counter() - t0
+
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        """A reader starts with the source's counters (what its cache went through so far)."""
+        if src not in self._stats:
+            self.reset(dst)
+            return
+        self._held.clear()
+        self._stats[dst] = {key: list(v) if isinstance(v, list) else v for key, v in self._stats[src].items()}
+
     @staticmethod
     def _tier_call(fn: Callable[..., None], slot: int, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> None:
         n = heads.numel()

@@ -53,6 +53,10 @@ class H2O(ScoreAndKeep):
         probs = ind.decode_attention(step.q[rows], k, counts, kv.scale)          # [R, Hq, N], 0 on padding
         return ind.group_reduce(probs.transpose(0, 1), kv.num_kv_heads, self.aggregation).transpose(0, 1)
 
+    def extend_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        probs = ind.appended_attention(q, k, counts, kv.scale)                   # [Hq, n, N]
+        return ind.group_reduce(probs.sum(1), kv.num_kv_heads, self.aggregation)
+
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         return {**super().kv_stats(kv, seq), "budget_tokens_per_layer": self.budget, "recent_size": self.recent,
                 "heavy_size": self.budget - self.recent, "window_counted": True, "aggregation": self.aggregation}

@@ -140,6 +140,23 @@ class LServe(Policy):
         hh, pp = heads.repeat_interleave(drop.numel()), drop.repeat(heads.numel())
         kv.release_device_pages(torch.full_like(hh, seq.slot), torch.full_like(hh, layer), hh, pp)
 
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A query-agnostic question appended after the context: the streaming heads' window moves past it, so the
+        pages it pushed out of sink + local are released (those still on the device)."""
+        heads = self._streaming_dev[layer].nonzero().view(-1)
+        n_pages = -(-int(kv.num_tokens[seq.slot, layer, 0]) // kv.page_size)
+        if heads.numel() == 0 or n_pages - 1 - self.local_pages <= self.sink_pages:
+            return
+        drop = torch.arange(self.sink_pages, n_pages - 1 - self.local_pages, device=kv.device)
+        hh, pp = heads.repeat_interleave(drop.numel()), drop.repeat(heads.numel())
+        live = kv.block_table[seq.slot, layer, hh, pp] != 0
+        hh, pp = hh[live], pp[live]
+        kv.release_device_pages(torch.full_like(hh, seq.slot), torch.full_like(hh, layer), hh, pp)
+
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        self._chosen[dst] = self._chosen[src]
+        self._has_choice[dst] = self._has_choice[src]
+
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         heads = self._streaming_dev[step.layer].nonzero().view(-1)
         if heads.numel() == 0:

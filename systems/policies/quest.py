@@ -86,6 +86,11 @@ class Quest(Policy):
             self._union_read[slot] = 0
             self._head_steps[slot] = 0
 
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        self._pages_read[dst] = self._pages_read[src]
+        self._union_read[dst] = self._union_read[src]
+        self._head_steps[dst] = self._head_steps[src]
+
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
         P, H = kv.page_size, kv.num_kv_heads

@@ -39,6 +39,12 @@ class StreamingLLM(LedgerBudget):
         kv.keep_tokens(seq.slot, layer, [keep] * hkv)
         self.ledger.set(seq.slot, layer, keep.expand(hkv, -1))
 
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A query-agnostic question is kept whole: its tokens join the ledger (decode steps then slide the window
+        one token at a time, from the layer's size after the question)."""
+        n = q.shape[0]
+        self.ledger.extend(seq.slot, layer, torch.arange(seq.seq_len - n, seq.seq_len, device=q.device))
+
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         slots, layer = step.slots, step.layer
         self.ledger.append(slots, layer, torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device))

@@ -37,6 +37,10 @@ class TopKTrace(Policy):
     def reset(self, slot: int) -> None:
         self._live[slot] = {"sets": [], "pages": [], "mass": []}
 
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        live = self._live.get(src, {"sets": [], "pages": [], "mass": []})
+        self._live[dst] = {key: [t.clone() if isinstance(t, torch.Tensor) else t for t in v] for key, v in live.items()}
+
     def select_pages(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots = step.layer, step.slots
         num_pages = selection.pages_of(kv.num_tokens[slots, layer], kv.page_size)

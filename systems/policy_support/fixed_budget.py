@@ -42,3 +42,6 @@ class LedgerBudget(FixedBudget):
     def reset(self, slot: int) -> None:
         if hasattr(self, "ledger"):
             self.ledger.reset(slot)
+
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        self.ledger.copy(src, dst)

@@ -147,6 +147,18 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, sca
     return out
 
 
+def appended_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention of n tokens appended last to every head (a query-agnostic question, see
+    Policy.after_extend_layer) over the head's stored tokens, causal among themselves: q [n, Hq, D], k [Hkv, N, D]
+    (storage order, the appended rows last, padded past counts [Hkv]) -> probabilities [Hq, n, N], 0 on padding."""
+    n, hq, d = q.shape
+    hkv, width = k.shape[0], k.shape[1]
+    logits = (q.float().view(n, hkv, hq // hkv, d).permute(1, 2, 0, 3) @ k.float().transpose(-1, -2)) * scale
+    own = counts.long().view(hkv, 1, 1, 1) - n + torch.arange(n, device=q.device).view(1, 1, n, 1)
+    hidden = torch.arange(width, device=q.device).view(1, 1, 1, width) > own                # [Hkv, G, n, N]
+    return logits.masked_fill(hidden, float("-inf")).softmax(-1).reshape(hq, n, width)
+
+
 def top_keep(scores: torch.Tensor, budget: int, window: int, n: int) -> list[torch.Tensor]:
     """Per head: the `budget` best of the prefix scores [H, n - window] plus the last `window` positions, ascending."""
     budget = max(0, min(budget, n - window))
@@ -211,6 +223,27 @@ class TokenLedger:
             assert score is not None, "a scored ledger needs the tokens' scores"
             self.score[ss, layer, heads, cnt] = score.float()
         self.count[s, layer] += 1
+
+    def extend(self, slot: int, layer: int, positions: torch.Tensor, score: torch.Tensor | None = None) -> None:
+        """n tokens appended after every head's tokens of one slot (a query-agnostic question): positions [n],
+        score [Hkv, n]."""
+        n = positions.numel()
+        cnt = self.count[slot, layer]                                       # [Hkv]
+        self._ensure(int(cnt.max()) + n)
+        idx = cnt.view(-1, 1) + torch.arange(n, device=cnt.device).view(1, -1)            # [Hkv, n]
+        heads = torch.arange(cnt.shape[0], device=cnt.device).view(-1, 1).expand_as(idx)
+        self.pos[slot, layer, heads, idx] = positions.to(self.pos).view(1, -1).expand_as(idx)
+        if self.score is not None:
+            assert score is not None, "a scored ledger needs the tokens' scores"
+            self.score[slot, layer, heads, idx] = score.float()
+        self.count[slot, layer] += n
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot dst's entries become a copy of slot src's (a forked cache)."""
+        self.pos[dst] = self.pos[src]
+        if self.score is not None:
+            self.score[dst] = self.score[src]
+        self.count[dst] = self.count[src]
 
     def view(self, slots: torch.Tensor, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [B, Hkv, n], counts [B, Hkv]) of the listed slots, in storage order."""

@@ -56,6 +56,12 @@ class ScoreAndKeep(FixedBudget):
         head), given their stored keys k [R, Hkv, N, D] and counts [R, Hkv]. Not implemented: prefill-only."""
         raise NotImplementedError
 
+    def extend_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """With `accumulate`: what n rows appended after a compressed context (a query-agnostic question) add to the
+        running score of each stored token, [Hkv, N], given q [n, Hq, D] and one slot's stored keys k [Hkv, N, D]
+        (the appended rows last) with counts [Hkv]."""
+        raise NotImplementedError
+
     def window_size(self) -> int:
         """The most recent tokens always kept (counted in the budget)."""
         return 0
@@ -84,6 +90,24 @@ class ScoreAndKeep(FixedBudget):
     def reset(self, slot: int) -> None:
         if hasattr(self, "ledger"):
             self.ledger.reset(slot)
+
+    def fork(self, kv: KVView, src: int, dst: int) -> None:
+        if hasattr(self, "ledger"):
+            self.ledger.copy(src, dst)
+        else:
+            self.reset(dst)
+
+    def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """A query-agnostic question is kept whole; with a running score its tokens join the ledger and its rows
+        add to every stored token's score, as prefill queries do."""
+        if not self.accumulate:
+            return
+        n = q.shape[0]
+        self.ledger.extend(seq.slot, layer, torch.arange(seq.seq_len - n, seq.seq_len, device=q.device),
+                           torch.zeros(kv.num_kv_heads, n, device=q.device))
+        keys, _, counts = kv.gather_tokens(torch.tensor([seq.slot], device=q.device), layer)
+        score = self.extend_scores(kv, q, keys[0], counts[0])
+        self.ledger.scores[seq.slot, layer, :, :score.shape[-1]] += score
 
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         n, heads = k.shape[0], k.shape[1]
