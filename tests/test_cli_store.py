@@ -164,7 +164,7 @@ def cells_snapshot(results: Path) -> dict[str, str]:
 
 def summary_systems(results: Path) -> set[str]:
     import csv
-    with open(results / EXP / "summary.csv") as f:
+    with open(results / EXP / "scores.csv") as f:
         return {r["system"] for r in csv.DictReader(f) if r.get("task") == "needlebench_srt"}
 
 

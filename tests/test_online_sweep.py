@@ -138,7 +138,7 @@ def test_vllm_bench_client_measures_the_engine_server_beside_the_harness_client(
            "exp.params.clients=[harness,vllm_bench]", f"results_dir={tmp_path}", "progress=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = list(csv.DictReader(open(tmp_path / "online_sweep" / "summary.csv")))
+    table = list(csv.DictReader(open(tmp_path / "online_sweep" / "rates.csv")))
     assert sorted(r["client"] for r in table) == ["harness client", "vllm bench serve"]
     assert all(int(r["completed"]) == 4 and float(r["mean_tpot_ms"]) > 0 for r in table)
     assert "Do the two clients agree?" in (tmp_path / "online_sweep" / "summary.md").read_text()
