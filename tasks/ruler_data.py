@@ -40,6 +40,7 @@ import uuid
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tasks import haystack
 
@@ -86,7 +87,7 @@ _FORMAT_MARKERS = (("<|start_header_id|>", "llama3"), ("<|im_start|>", "chatml")
                    ("<|assistant|>", "phi3"))
 
 
-def plain_wrapper(tokenizer) -> tuple[str, str]:
+def plain_wrapper(tokenizer: Any) -> tuple[str, str]:
     """(format name, RULER-style plain wrapper) for the tokenizer's chat format."""
     template = getattr(tokenizer, "chat_template", None) or ""
     for marker, name in _FORMAT_MARKERS:

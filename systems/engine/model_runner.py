@@ -10,6 +10,7 @@ from systems.engine import fused_decode
 from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
+from systems.engine.probe import PositionProbe
 from systems.engine.sequence import Sequence
 from systems.policies.base import DecodeStep, Policy, SeqInfo
 
@@ -33,6 +34,7 @@ class ModelRunner:
             fused_decode.unsupported(model, kv)
         self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
             self.fused_unsupported is None else None
+        self.probe: PositionProbe | None = None     # set by the engine once a request asks for positions
 
     def _model(self) -> LlamaModel:
         if self.model is None:
@@ -105,7 +107,7 @@ class ModelRunner:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         infos = [s.info() for s in seqs]
         if self.fused is not None:
-            logits = self.fused.logits(ids, positions, slots, infos)
+            logits = self.fused.logits(ids, positions, slots, infos, probe=self.probe)
             self.last_selected = self.fused.last_selected
             return logits
 
@@ -126,6 +128,8 @@ class ModelRunner:
             clock("append")
         step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
         selected = policy.select_pages(kv, step)
+        if self.probe is not None:
+            self.probe.observe(layer, infos, selected, self.windows[layer])
         if clock:
             clock("select")
         if selected is None:
