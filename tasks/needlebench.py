@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks import haystack
-from tasks.base import Sample, Task, TaskError
+from tasks.base import Sample, Task, TaskError, span_of
 
 DATA = pathlib.Path(__file__).parent / "data" / "needles.json"
 MODES = ("srt", "mrt", "mrs")
@@ -193,9 +193,15 @@ class NeedleBench(Task):
         text = prompt(haystack.insert_at_depths(tokenizer, context, placed, sep=NEEDLE_SEP))
         return text, haystack.count_tokens(tokenizer, text)
 
-    def _sample(self, sid: str, text: str, answers: tuple[str, ...], meta: dict) -> Sample:
+    def _sample(self, sid: str, text: str, answers: tuple[str, ...], meta: dict,
+                gold: Sequence[tuple[str, str]]) -> Sample:
+        """`gold`: (needle sentence, the answer inside it) for every answer the document holds."""
+        start = text.index("<document>\n") + len("<document>\n")
+        document = (start, text.rindex("\n</document>"))
+        spans = tuple(span_of(text, answer, span_of(text, needle, start)[0]) for needle, answer in gold)
         return Sample(id=sid, prompt=text, answers=answers, max_new_tokens=self.params.max_new_tokens,
-                      truncation="none", meta={"mode": self.params.mode, **meta})
+                      truncation="none", meta={"mode": self.params.mode, **meta}, gold_spans=spans,
+                      document_span=document)
 
     def _srt(self, tokenizer: Any, length: int, depth: float, r: int) -> Sample:
         rng = self._rng(length, depth, r)
@@ -204,7 +210,7 @@ class NeedleBench(Task):
                                SRT_ASK.format(question=needle.question))
         return self._sample(f"srt-len{length}-depth{_fmt(depth)}-r{r}", text, (needle.keyword,),
                             {"length": length, "depth": depth, "repeat": r, "needle_id": needle.id,
-                             "keyword": needle.keyword, "prompt_tokens": n})
+                             "keyword": needle.keyword, "prompt_tokens": n}, [(needle.needle, needle.keyword)])
 
     def _mrt(self, tokenizer: Any, length: int, r: int) -> Sample:
         rng = self._rng(length, r)
@@ -215,7 +221,8 @@ class NeedleBench(Task):
         needles = [{"depth": d, "needle_id": n.id, "keyword": n.keyword}
                    for d, n in zip(self.params.depths, chosen)]
         return self._sample(f"mrt-len{length}-r{r}", text, tuple(n.keyword for n in chosen),
-                            {"length": length, "repeat": r, "needles": needles, "prompt_tokens": n_tok})
+                            {"length": length, "repeat": r, "needles": needles, "prompt_tokens": n_tok},
+                            [(n.needle, n.keyword) for n in chosen])
 
     def _mrs(self, tokenizer: Any, length: int, depth: float, k: int, r: int) -> Sample:
         if len(self.first_names) * len(self.last_names) < k + 1:
@@ -232,7 +239,8 @@ class NeedleBench(Task):
         text, n_tok = self._render(tokenizer, length, rng, placed, MRS_ASK.format(person=people[0]))
         return self._sample(f"mrs-len{length}-depth{_fmt(depth)}-n{k}-r{r}", text, (people[-1],),
                             {"length": length, "depth": depth, "repeat": r, "n_needles": k,
-                             "chain": people, "prompt_tokens": n_tok})
+                             "chain": people, "prompt_tokens": n_tok},
+                            [(KINSHIP.format(parent=people[-1], child=people[-2]), people[-1])])
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:

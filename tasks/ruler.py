@@ -280,12 +280,13 @@ class Ruler(Task):
 
     def _sample(self, task: str, length: int, i: int, draft: gen.Draft, tokens: int, ttg: int) -> Sample:
         text, turns = self._render(draft)
+        gold, document = gen.gold_spans(kind_of(task), draft, text.rindex(draft.text))
         return Sample(
             id=f"{task}-len{length}-{i}", prompt=text, answers=tuple(draft.outputs), max_new_tokens=ttg,
             chat_template=self.prompt_format == "tokenizer", truncation="none", answer_prefix=draft.prefix,
             turns=turns, meta={"ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
                                "prompt_format": self.prompt_format, "metric": "part" if kind_of(task) == "qa" else
-                               "all", "chance_score": 0.0, **draft.info})
+                               "all", "chance_score": 0.0, **draft.info}, gold_spans=gold, document_span=document)
 
     # ---- QA data -----------------------------------------------------------------------------------------------
     def _load_qa(self, task: str) -> tuple[list[dict], list[str]]:
