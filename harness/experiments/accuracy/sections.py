@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from harness.experiments.accuracy import survival
 from harness.experiments.accuracy.data import AccuracyData
 from harness.reporting import plots
 from harness.reporting.summary import Summary
@@ -34,11 +36,13 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
     units = list(units or data.units)
     if reference is not None and reference in data.systems:
         md, csv = data.average_table(reference, units)
-        summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
+        header, md, csv = survival.with_answer_kept(data, AccuracyData.AVERAGE_HEADER, md, csv, lambda c: units)
+        summary.section(f"Averages over task units (reference `{reference}`)").table(header, md)
         summary.csv(csv)
     md, csv = data.unit_table(reference if reference in data.systems else None, units)
+    header, md, csv = survival.with_answer_kept(data, AccuracyData.UNIT_HEADER, md, csv, lambda c: [c["task"]])
     if per_unit:
-        summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
+        summary.section("Per task unit").table(header, md)
     summary.csv(csv)
     flagged = data.flagged(reference) if reference in data.systems else []
     if flagged:
@@ -57,6 +61,8 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
             summary.csv([{**r, "task": "PAIRWISE_TOP1", **({"group": title} if title else {})}
                          for r in data.fidelity_pairwise("fid_top1", ref, systems, units)])
     summary.text(DEFINITIONS)
+    if survival.has_answer_survival(data):
+        summary.text(survival.DEFINITION)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:
         use = [u for u in units if u not in flagged] or units
@@ -77,6 +83,15 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
             notes={"top-1 agreement": [f"n={e.n}" for e in top1]}, xlabel="system",
             ylabel="teacher-forced fidelity (95 % CI)", reference=1.0, reference_label="perfect agreement",
             title=f"Fidelity to {reference} (higher top-1, lower KL is closer)"), "fidelity")
+
+
+def ruler_coverage(cells: Sequence[Any], rows_by_cell: Mapping[str, list[dict]]) -> str | None:
+    """What the RULER rows of a summary average (tasks, lengths, prompt format) and that it is not RULER's published
+    13-task number (tasks.ruler.coverage_of_rows); None without RULER rows."""
+    from tasks.ruler import coverage_of_rows
+
+    rows = [r for c in cells if c.task.family == "ruler" for r in rows_by_cell.get(c.key, [])]
+    return coverage_of_rows(rows)["line"] if rows else None
 
 
 def cells_seconds(metrics: list[dict]) -> float:
