@@ -104,6 +104,7 @@ def test_span_kept_needs_the_whole_answer_in_half_the_heads():
     kept = survival(_record([40], 4, {0, 1}), lay)
     assert kept["span_kept"] and kept["heads_whole"] == 2 and kept["spans_whole"] == [2, 4]
     assert kept["read"] == [[0.75, 0.75, 1.0, 1.0]] and kept["gold_tokens"] == 4
+    assert kept["token_heads"] == [2, 4, 4, 4]
     lost = survival(_record([40], 4, {0, 1, 2}), lay)
     assert not lost["span_kept"] and lost["heads_whole"] == 1
     slots = kept["read_slots"]

@@ -79,8 +79,9 @@ def _share(positions: Any, gold: np.ndarray) -> float:
 
 def survival(record: PositionRecord, lay: PromptLayout) -> dict[str, Any]:
     """Per sample: the share of gold tokens each [layer][KV head] held and read, the heads reading the whole answer
-    (all spans, and per span), `span_kept` (at least half of the heads read it whole), and the mean slots per head
-    each region of the prompt takes among the read and the held tokens."""
+    (all spans, and per span), the heads reading each gold token in order, `span_kept` (at least half of the heads
+    read it whole), and the mean slots per head each region of the prompt takes among the read and the held
+    tokens."""
     gold = np.concatenate(lay.gold)
     heads = [h for layer in record.read for h in layer]
     whole = [bool(np.isin(gold, np.asarray(h)).all()) for h in heads]
@@ -100,5 +101,6 @@ def survival(record: PositionRecord, lay: PromptLayout) -> dict[str, Any]:
             "read": [[round(_share(h, gold), 4) for h in layer] for layer in record.read],
             "heads": len(heads), "heads_whole": sum(whole),
             "spans_whole": [sum(bool(np.isin(s, np.asarray(h)).all()) for h in heads) for s in lay.gold],
+            "token_heads": [int(sum(np.isin(t, np.asarray(h)).item() for h in heads)) for t in gold],
             "span_kept": 2 * sum(whole) >= len(heads), "read_slots": slots(record.read),
             "held_slots": slots(record.held)}
