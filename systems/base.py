@@ -19,6 +19,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()        # stop strings: generation ends and the text is cut before them
     arrival_time: float | None = None  # perf_counter() when the request arrived; None = at generate() call
+    # record which prompt positions each (layer, KV head) holds and reads at the first decode step (the answer-survival
+    # diagnostic; Completion.positions); systems that cannot look inside their cache ignore it
+    probe_positions: bool = False
     # teacher forcing: the system runs exactly as when generating (the KV policy acts the same) but feeds these
     # tokens back instead of its own choice; EOS and stop strings do not end it
     forced_output_ids: tuple[int, ...] | None = None
@@ -45,6 +48,17 @@ class GenerationRequest:
 
 
 @dataclass
+class PositionRecord:
+    """The original token positions (int64, ascending) each [layer][KV head] held and read at a request's first
+    decode step: `held` every token still stored in either tier, `read` the tokens that step's attention read (a
+    retrieval policy's selected pages; all held tokens where a policy reads everything)."""
+
+    held: list[list[Any]]
+    read: list[list[Any]]
+    seq_len: int                      # tokens processed at that step: the prompt and the first output token
+
+
+@dataclass
 class Completion:
     request_id: str
     text: str
@@ -55,6 +69,7 @@ class Completion:
     token_times: list[float]            # perf_counter() when each output token became available
     finish_reason: str = "length"       # "length" | "stop" | "eos"
     kv_stats: dict[str, Any] = field(default_factory=dict)  # policy-specific realized counts
+    positions: PositionRecord | None = None   # a probe_positions request's record (None: not asked or not possible)
     # for forced or logprob requests (empty otherwise): log p of each output token under the system, the system's
     # own argmax at each step, and [min(N, steps), vocab] fp32 log-probabilities of the first logprob_steps steps
     token_logprobs: list[float] = field(default_factory=list)

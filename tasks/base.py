@@ -42,10 +42,21 @@ class Sample:
     # own turns (RULER's cwe); ignored without the chat template, where the task writes them into `prompt`
     turns: tuple[tuple[str, str], ...] = ()
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-able facts used by score()/summarize()
+    # where the gold answer sits in the context, for the answer-survival diagnostic: character spans [start, end) of
+    # `prompt` holding it (needle values, chain variables, the paragraph to recall), and the span of the document
+    # around them (text before it is instruction, after it the question); () / None where the answer is not in it
+    gold_spans: tuple[tuple[int, int], ...] = ()
+    document_span: tuple[int, int] | None = None
 
     @property
     def prompt(self) -> str:
         return self.context + self.question
+
+
+def span_of(text: str, part: str, start: int = 0) -> tuple[int, int]:
+    """The character span of the first `part` in `text` at or after `start` (a task's gold text must be there)."""
+    at = text.index(part, start)
+    return at, at + len(part)
 
 
 def split_at(text: str, question: str) -> tuple[str, str]:

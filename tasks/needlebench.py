@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks import haystack
-from tasks.base import Sample, Task, TaskError
+from tasks.base import Sample, Task, TaskError, span_of
 
 DATA = pathlib.Path(__file__).parent / "data" / "needles.json"
 MODES = ("srt", "mrt", "mrs")
@@ -199,10 +199,16 @@ class NeedleBench(Task):
         doc = document(haystack.insert_at_depths(tokenizer, context, placed, sep=NEEDLE_SEP))
         return doc, questions, [haystack.count_tokens(tokenizer, doc + q) for q in questions]
 
-    def _sample(self, sid: str, context: str, question: str, answers: tuple[str, ...], meta: dict) -> Sample:
+    def _sample(self, sid: str, context: str, question: str, answers: tuple[str, ...], meta: dict,
+                gold: Sequence[tuple[str, str]]) -> Sample:
+        """`gold`: (needle sentence, the answer inside it) for every answer of this question the document holds."""
+        text = context + question
+        start = text.index("<document>\n") + len("<document>\n")
+        document = (start, text.rindex("\n</document>"))
+        spans = tuple(span_of(text, answer, span_of(text, needle, start)[0]) for needle, answer in gold)
         return Sample(id=sid, context=context, question=question, answers=answers,
                       max_new_tokens=self.params.max_new_tokens, truncation="none",
-                      meta={"mode": self.params.mode, **meta})
+                      meta={"mode": self.params.mode, **meta}, gold_spans=spans, document_span=document)
 
     def _srt(self, tokenizer: Any, length: int, depth: float, r: int) -> Sample:
         rng = self._rng(length, depth, r)
@@ -211,7 +217,7 @@ class NeedleBench(Task):
                                               [SRT_ASK.format(question=needle.question)])
         return self._sample(f"srt-len{length}-depth{_fmt(depth)}-r{r}", doc, question, (needle.keyword,),
                             {"length": length, "depth": depth, "repeat": r, "needle_id": needle.id,
-                             "keyword": needle.keyword, "prompt_tokens": n})
+                             "keyword": needle.keyword, "prompt_tokens": n}, [(needle.needle, needle.keyword)])
 
     def _mrt(self, tokenizer: Any, length: int, r: int) -> list[Sample]:
         rng = self._rng(length, r)
@@ -227,13 +233,15 @@ class NeedleBench(Task):
             cid = f"mrt-len{length}-r{r}"
             return [self._sample(f"{cid}-q{i}", doc, questions[i], (n.keyword,),
                                  {**base, "needles": [needles[i]], "needles_in_context": needles,
-                                  "prompt_tokens": counts[i], "context_id": cid, "question_index": i})
+                                  "prompt_tokens": counts[i], "context_id": cid, "question_index": i},
+                                 [(n.needle, n.keyword)])
                     for i, n in enumerate(chosen)]
         listing = "\n".join(f"{i + 1}. {n.question}" for i, n in enumerate(chosen))
         doc, (question,), (n_tok,) = self._render(tokenizer, length, rng, placed,
                                                   [MRT_ASK.format(questions=listing)])
         return [self._sample(f"mrt-len{length}-r{r}", doc, question, tuple(n.keyword for n in chosen),
-                             {**base, "needles": needles, "prompt_tokens": n_tok})]
+                             {**base, "needles": needles, "prompt_tokens": n_tok},
+                             [(n.needle, n.keyword) for n in chosen])]
 
     def _mrs(self, tokenizer: Any, length: int, depth: float, k: int, r: int) -> Sample:
         if len(self.first_names) * len(self.last_names) < k + 1:
@@ -251,7 +259,8 @@ class NeedleBench(Task):
                                                   [MRS_ASK.format(person=people[0])])
         return self._sample(f"mrs-len{length}-depth{_fmt(depth)}-n{k}-r{r}", doc, question, (people[-1],),
                             {"length": length, "depth": depth, "repeat": r, "n_needles": k,
-                             "chain": people, "prompt_tokens": n_tok})
+                             "chain": people, "prompt_tokens": n_tok},
+                            [(KINSHIP.format(parent=people[-1], child=people[-2]), people[-1])])
 
     # -- scoring ---------------------------------------------------------------------------------
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:

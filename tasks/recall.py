@@ -18,7 +18,7 @@ from functools import lru_cache
 from typing import Any
 
 from tasks import haystack
-from tasks.base import Sample, Task, TaskError
+from tasks.base import Sample, Task, TaskError, span_of
 
 INTRO = "Below are numbered paragraphs from several essays, separated by blank lines."
 ASK = ("Repeat, word for word, the paragraph above that begins with \"{phrase}\". Write out the whole "
@@ -122,12 +122,15 @@ class Recall(Task):
         if completion:                     # the model writes what follows the given first words
             target = target[len(phrase):].lstrip()
         other = rng.choice([i for i in range(count) if i != target_index])
+        document = span_of(prompt, body)
+        labelled = span_of(prompt, f"{LABEL.format(target_index + 1)}: {paragraphs[target_index]}")[0]
         target_tokens = haystack.count_tokens(tokenizer, target)
         max_new = self.params.max_new_tokens or min(1280, math.ceil(1.25 * target_tokens))
         return Sample(
             id=f"recall-ctx{context_tokens}-p{size}-depth{depth:g}-r{r}", context=context, question=question,
             answers=(target,),
             max_new_tokens=max_new, truncation="none", chat_template=not completion,
+            gold_spans=(span_of(prompt, target, labelled),), document_span=document,
             # The copy is complete when the next labelled paragraph starts; a bare "\n\n" is not enough,
             # since SmolLM2 restores the essays' own paragraph breaks inside a copied passage.
             stop=(f"\n\n{LABEL.format('')}",) if completion else (),

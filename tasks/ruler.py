@@ -302,12 +302,14 @@ class Ruler(Task):
         text, turns = self._render(draft)
         # the question part runs from the question to the end of the prompt (a plain wrapper's closing included)
         start = text.rfind(draft.question)
+        gold, document = gen.gold_spans(kind_of(task), draft, text.rindex(draft.text))
         return Sample(
             id=sid, context=text[:start], question=text[start:], answers=tuple(draft.outputs), max_new_tokens=ttg,
             chat_template=self.prompt_format == "tokenizer", truncation="none", answer_prefix=draft.prefix,
             turns=turns, meta={"ruler_task": task, "length": length, "index": i, "prompt_tokens": tokens,
                                "prompt_format": self.prompt_format, "metric": "part" if kind_of(task) == "qa" else
-                               "all", "chance_score": 0.0, **shared, **draft.info})
+                               "all", "chance_score": 0.0, **shared, **draft.info}, gold_spans=gold,
+            document_span=document)
 
     # ---- QA data -----------------------------------------------------------------------------------------------
     def _load_qa(self, task: str) -> tuple[list[dict], list[str]]:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks import haystack
+from tasks.base import span_of
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -114,6 +115,7 @@ class Draft:
     shots: tuple[tuple[str, str], ...] = ()
     question: str = ""
     alternatives: tuple[Draft, ...] = ()
+    document: tuple[int, int] | None = None     # character span of the haystack in `text` (niah, vt)
 
 
 def _after_context(template: str, **fill: Any) -> str:
@@ -202,9 +204,27 @@ def niah(n: int, rng: random.Random, shuffle_seed: int, *, haystack_kind: str, t
                                 .replace("answers", "answer") for t in (template, prefix))
             kind = type_v[:-1]
         fill = dict(type_needle_v=kind, context=context, query=query)
+        start = len(template[:template.index("{context}")].format(**fill))
         drafts.append(Draft(template.format(**fill), prefix.format(**fill), outputs,
-                            {"depths": depths, "haystack": n}, question=_after_context(template, **fill)))
+                            {"depths": depths, "haystack": n}, question=_after_context(template, **fill),
+                            document=(start, start + len(context))))
     return dataclasses.replace(drafts[0], alternatives=tuple(drafts[1:]))
+
+
+def gold_spans(kind: str, draft: Draft, shift: int) -> tuple[tuple[tuple[int, int], ...], tuple[int, int] | None]:
+    """(gold spans, document span) of a `kind` draft in the rendered text, where the draft's text starts at `shift`:
+    each asked NIAH value inside its needle, each vt variable where it is assigned (`VAR X =`); none for cwe, fwe and
+    qa, whose answers are not one place in the context."""
+    if draft.document is None or kind not in ("niah", "vt"):
+        return (), None
+    a, b = draft.document
+    if kind == "niah":
+        spans = [span_of(draft.text, f" is: {value}.", a) for value in draft.outputs]
+        gold = [(s + len(" is: "), e - 1) for s, e in spans]
+    else:
+        gold = [(s + len("VAR "), e - len(" =")) for s, e in (span_of(draft.text, f"VAR {name} =", a)
+                                                              for name in draft.outputs)]
+    return tuple((s + shift, e + shift) for s, e in gold), (a + shift, b + shift)
 
 
 # ---- variable tracking ---------------------------------------------------------------------------------------
@@ -228,9 +248,12 @@ def vt(n: int, rng: random.Random, *, hops: int = 4, example: bool = False, icl:
     template, prefix = TEMPLATES["vt"]
     fill = dict(context=context, query=value, num_v=hops + 1)
     text = template.format(**fill)
+    start = len(template[:template.index("{context}")].format(**fill))
     if icl:
-        text = _renamed_example(icl, hops, rng) + "\n" + text
-    return Draft(text, prefix.format(**fill), names, {"haystack": n}, question=_after_context(template, **fill))
+        shot = _renamed_example(icl, hops, rng) + "\n"
+        text, start = shot + text, start + len(shot)
+    return Draft(text, prefix.format(**fill), names, {"haystack": n}, question=_after_context(template, **fill),
+                 document=(start, start + len(context)))
 
 
 def vt_example(draft: Draft) -> str:

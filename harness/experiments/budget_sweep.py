@@ -3,9 +3,12 @@
 The figure KV-compression papers lead with (CAKE F5; the kvpress leaderboard): each policy with a `budget` runs at
 every budget of exp.params.budgets (labelled `<system>@<budget>`), the budget-free reference once, all on the same
 samples. Plotted against the budget: the mean score over task units with its 95 % interval (error bars), the
-reference's score as a horizontal band with its interval, and the teacher-forced top-1 agreement and KL with the
-reference. Budgets mean what each policy's own paper means (eviction: tokens kept per layer and KV head;
-retrieval: tokens read per step and KV head; LServe: per retrieval head, its streaming heads keep sink + local).
+reference's score as a horizontal band with its interval, beside it the share of samples whose gold answer the
+heads still read at the first decode step (tasks that mark their answer in the context; accuracy.survival), and the
+teacher-forced top-1 agreement and KL with the reference. A RULER grid says what its average covers
+(tasks.ruler.coverage_of_rows): not RULER's published 13-task number. Budgets mean what each policy's own paper
+means (eviction: tokens kept per layer and KV head; retrieval: tokens read per step and KV head; LServe: per
+retrieval head, its streaming heads keep sink + local).
 
 exp.params: budgets (list of token budgets), reference (default engine-dense), min_reference_score, fidelity,
 task_params (as accuracy_retention), contexts ({task name: context tokens}, to state budgets as a share of the
@@ -18,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from harness.experiments.accuracy import AccuracyExperiment
+from harness.experiments.accuracy import AccuracyExperiment, survival
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate, same_budget
 from harness.experiments.accuracy.params import REPORT_PARAMS, AccuracyParams
-from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, ruler_coverage, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
 from harness.reporting.summary import cell_envs
@@ -94,6 +97,16 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
         chain = data.ranking(reference, group, units)
         if chain:
             bullets.append(f"macro retention at {title}: {chain}")
+    kept = {label: survival.answer_kept(data, label, units) for label in data.systems}
+    has_kept = survival.has_answer_survival(data)
+    if has_kept:
+        bullets.append("answer kept (samples whose whole gold answer half of the heads read at decode step 1, "
+                       "0–100): " + "; ".join(f"{pol} " + ", ".join(f"{b} → {kept[label].fmt(0, with_n=False)}"
+                                                                for b, label in at[pol].items()) for pol in policies)
+                       + f"; {reference} {kept[reference].fmt(0)}")
+    coverage = ruler_coverage(cells, rows_by_cell)
+    if coverage:
+        bullets.append(coverage)
     summary.glance(f"mean score (0–100, 95 % CI) over {', '.join(units)} vs budget; `{reference}` scores "
                    f"{ref.fmt(1)}. In the rankings at one budget, {CHAIN_KEY}", bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
@@ -112,6 +125,13 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
                if left_out else None)
     panels = [dict(series=series, errors=errors, band=(reference, ref.value, ref.low, ref.high), logx=True,
                    dodge=True, footnote=missing, ylabel="mean score (0–100, 95 % CI)", title="Task score vs budget")]
+    if has_kept:
+        k_ref = kept[reference]
+        panels.append(dict(series={pol: [(b, kept[label].value) for b, label in at[pol].items()] for pol in policies},
+                           errors={pol: [(b, kept[label].low, kept[label].high) for b, label in at[pol].items()]
+                                   for pol in policies}, band=(reference, k_ref.value, k_ref.low, k_ref.high),
+                           logx=True, dodge=True, ylabel="answer kept: % of samples (95 % CI)",
+                           title="Whole answer read by ≥ half the heads at decode step 1"))
     if data.has("fid_top1"):
         panels.append(dict(series={pol: [(b, top1[label].value) for b, label in at[pol].items()] for pol in policies},
                            errors={pol: [(b, top1[label].low, top1[label].high) for b, label in at[pol].items()]
@@ -121,21 +141,25 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
     n = f"n = {ref.n} samples per point"
     summary.image("png_budget", plots.line_panels(
         out_dir / "score_vs_budget.png", panels, "KV budget (tokens per layer and KV head, log scale; points nudged "
-        "apart)", f"{cfg.exp.name}: {n}", note=summary.figure_note(n)), "score and fidelity vs budget")
+        "apart)", f"{cfg.exp.name}: {n}", note=summary.figure_note(n)),
+        "score, answer kept and fidelity vs budget" if has_kept else "score and fidelity vs budget")
     summary.section("Score, retention and fidelity per policy and budget").table(
         ["policy", *[f"budget {b}" for b in budgets]],
         [[pol, *[f"{score[at[pol][b]].fmt(1, with_n=False)} · "
                f"ret {data.macro_retention(at[pol][b], reference, units).fmt(2, with_n=False)} · "
                f"top-1 {top1[at[pol][b]].fmt(2, with_n=False)} · KL {kl[at[pol][b]].fmt(3, with_n=False)}"
+               + (f" · kept {kept[at[pol][b]].fmt(0, with_n=False)}" if has_kept else "")
                if b in at[pol] else "—" for b in budgets]] for pol in policies])
     summary.text("Each entry: mean score [95 % CI] · macro retention vs the reference [CI] · top-1 agreement [CI] · "
-                 "KL(reference ‖ policy) [CI].")
+                 "KL(reference ‖ policy) [CI]" + (" · answer kept (% of samples) [CI]." if has_kept else "."))
     csv = csv_estimate
     summary.csv([{"system": pol, "budget": b, **csv(score[label], "score"),
                   **csv(data.macro_retention(label, reference, units), "retention"),
-                  **csv(top1[label], "fid_top1"), **csv(kl[label], "fid_kl")}
+                  **csv(top1[label], "fid_top1"), **csv(kl[label], "fid_kl"),
+                  **(csv(kept[label], "answer_kept") if has_kept else {})}
                  for pol in policies for b, label in at[pol].items()]
-                + [{"system": reference, "budget": None, **csv(ref, "score")}], "budget_curve")
+                + [{"system": reference, "budget": None, **csv(ref, "score"),
+                    **(csv(kept[reference], "answer_kept") if has_kept else {})}], "budget_curve")
     # policies are compared at equal budget: a pair across budgets says nothing about either policy
     standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=at_one_budget)
     summary.took(cells_seconds(metrics),

@@ -4,9 +4,11 @@ Cells are ordinary accuracy cells (one per system × RULER task config), run by 
 teacher-forced fidelity. The summary reports what RULER's README table reports — the per-task score at each length,
 the per-length average over tasks, and the average over lengths — with 95 % bootstrap intervals, plus each policy's
 retention vs the reference per length (ratio of the length averages, paired over samples) and the macro retention
-over lengths with its supported ranking. Every score and retention interval, ranking and pairwise difference uses
-RULER's own unit, one length (the mean over its tasks), resampling samples within it: a task × length cell holds a
-handful of samples, and retentions of such cells are noise. (Fidelity pools every sample, whatever its length.)
+over lengths with its supported ranking, and a line saying what its average covers (tasks, lengths, prompt format)
+and that it is not RULER's published 13-task number. Every score and retention interval, ranking and pairwise
+difference uses RULER's own unit, one length (the mean over its tasks), resampling samples within it: a task ×
+length cell holds a handful of samples, and retentions of such cells are noise. (Fidelity pools every sample,
+whatever its length.)
 
 exp.params: budget (shared token budget, applied by the runner), reference (default engine-dense),
 min_reference_score, fidelity, task_params (as accuracy_retention), size_reason (why the grid is this size).
@@ -23,7 +25,7 @@ from harness.experiments.accuracy import AccuracyExperiment
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.params import AccuracyParams
 from harness.experiments.accuracy.ratio import phrase as budget_phrase
-from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
+from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, ruler_coverage, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
 from harness.reporting.summary import cell_envs
@@ -83,6 +85,9 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
     summary = run.summary(envs=cell_envs(metrics))
     bullets = [f"RULER average ({len(tasks)} tasks × {len(lengths)} lengths, 0–100): "
                + ", ".join(f"{s} {avg[s]['all'].fmt(1, with_n=False)}" for s in data.systems)]
+    coverage = ruler_coverage(cells, rows_by_cell)
+    if coverage:
+        bullets.append(coverage)
     if others:
         bullets.append(f"macro retention vs `{reference}` over lengths"
                        + budget_phrase(p.compression_ratio, budget, None) + f": {by_length.ranking(reference)}")

@@ -19,6 +19,7 @@ from systems.engine.kv_cache import TieredKVCache
 from systems.engine.model_runner import ModelRunner
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import load_ops
+from systems.engine.probe import PositionProbe
 from systems.engine.sampler import check_sampling, sample
 from systems.engine.scheduler import Scheduler, SequenceError, Step
 from systems.engine.sequence import Sequence, Status
@@ -74,6 +75,9 @@ class Engine:
     def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         """Queue one request; a value that could fail a step is refused here, before it can share a batch."""
         self._check_request(request)
+        if request.probe_positions and self.runner.probe is None:
+            self.runner.probe = PositionProbe(self.kv)
+            self.kv.positions = self.runner.probe.tracker
         arrival = arrival_time if arrival_time is not None else (request.arrival_time or time.perf_counter())
         seq = Sequence(request, arrival, self._order)
         self._order += 1
@@ -154,6 +158,8 @@ class Engine:
         finished: list[Sequence] = []
         logits = None
         if work.decodes or work.chunks:
+            if self.runner.probe is not None:
+                self.runner.probe.before_step(work.chunks)
             try:
                 logits = self.runner.run_step(work.decodes, work.chunks)
             except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone

@@ -10,6 +10,7 @@ GEMM of ops/cpu_gemm.cpp, whose rows never depend on the batch, so batch-invaria
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from systems.engine.models.linear import Linear
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
 from systems.policies.base import DecodeStep, Policy, SeqInfo
+
+if TYPE_CHECKING:
+    from systems.engine.probe import PositionProbe
 
 
 def unsupported(model: LlamaModel, kv: TieredKVCache) -> str | None:
@@ -66,10 +70,10 @@ class FusedDecode:
         self.last_selected: torch.Tensor | None = None
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
-               clock: Callable[[str], None] | None = None) -> torch.Tensor:
+               clock: Callable[[str], None] | None = None, probe: PositionProbe | None = None) -> torch.Tensor:
         """One token per sequence: appends its K/V in every layer and returns fp32 logits [B, V] (computed in the
         model dtype, as the per-op path's). `clock(phase)` after each phase of each layer (append, select,
-        attention, rest) forces the per-layer calls."""
+        attention, rest) forces the per-layer calls. `probe` sees each layer's page choice (engine/probe.py)."""
         ops, kv, model, spec = torch.ops.kvharness_cpu, self.kv, self.model, self.model.spec
         cos, sin = model.rope(positions, self.rope_table)
         h = F.embedding(ids, model.embed).contiguous()
@@ -80,6 +84,9 @@ class FusedDecode:
         if not self.per_layer and clock is None:
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
                                       inter, eps, kv.scale, self.windows)
+            if probe is not None:            # no hook ran inside the call: every layer read all it holds
+                for layer in range(len(self.layers)):
+                    probe.observe(layer, infos, None, self.windows[layer] or None)
         else:
             for layer, (ln1, qkv, bias, o, ln2, gate_up, down) in enumerate(self.layers):
                 q = ops.decode_layer_in(h, delta, ln1, qkv, bias if bias.numel() else None, cos, sin, *store, slots,
@@ -89,6 +96,8 @@ class FusedDecode:
                 step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
                 selected = self.policy.select_pages(kv, step)
                 self.last_selected = selected
+                if probe is not None:
+                    probe.observe(layer, infos, selected, self.windows[layer] or None)
                 if clock:
                     clock("select")
                 attn = ops.decode_layer_attend(q, selected, *store, slots, layer, kv.scale, self.windows[layer])

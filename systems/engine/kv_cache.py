@@ -7,7 +7,7 @@ device is CUDA.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from systems.engine.block_pool import BlockPool
 from systems.engine.kv_tiers import TierCopies
 from systems.engine.ops import load_ops
 from systems.policies.base import block_bytes
+
+if TYPE_CHECKING:
+    from systems.engine.probe import PositionTracker
 
 GIB = 1 << 30
 ZEROED_POOL_BYTES = 256 << 20
@@ -66,6 +69,8 @@ class TieredKVCache(TierCopies):
         # tier copies overlap decoding on a stream at the lowest priority (CUDA's 0; negative is higher)
         self._copy_stream = torch.cuda.Stream(priority=0) if cuda else None
         self._heads = torch.arange(num_kv_heads, device=self.device)
+        # original positions of probed requests' tokens, told of every prefill store, keep and drop (engine/probe.py)
+        self.positions: PositionTracker | None = None
 
     # ---- tier capacity -------------------------------------------------------------------------------------------
     def free_device_blocks(self) -> int:
@@ -99,6 +104,8 @@ class TieredKVCache(TierCopies):
         self.ops.store_kv(self.k_pool, self.v_pool, k.transpose(0, 1).reshape(H * n, D),
                           v.transpose(0, 1).reshape(H * n, D), block_ids, offsets)
         self.num_tokens[slot, layer] = start + n
+        if self.positions is not None:
+            self.positions.stored(slot, layer, start, n)
         if start == 0:
             self.refresh_minmax(slot, layer)
         else:
@@ -275,6 +282,8 @@ class TieredKVCache(TierCopies):
                 self.own_device_pages(torch.full_like(lead, slot), torch.full_like(lead, layer),
                                       torch.full_like(lead, h), lead, copy=False)
                 ids = self.block_table[slot, layer, h, :old_pages].long()
+            if self.positions is not None:
+                self.positions.kept(slot, layer, h, idx, n_old)
             pos = torch.arange(n_keep, device=self.device)
             self.ops.store_kv(self.k_pool, self.v_pool, k_kept, v_kept, ids[pos // P], pos % P)
             self.device_blocks.free(ids[new_pages:])
@@ -294,6 +303,8 @@ class TieredKVCache(TierCopies):
         if bool((idx > last).any()) or bool((last < 1).any()):
             raise ValueError("drop_tokens: index beyond the head's tokens, or the head would become empty")
         self.own_device_pages(s, torch.full_like(s, layer), h, idx // P)     # the hole's page is written
+        if self.positions is not None:
+            self.positions.dropped(s, layer, h, idx, last)
         blk_last = self.block_table[s, layer, h, last // P].long()
         blk_hole = self.block_table[s, layer, h, idx // P].long()
         self.k_pool[blk_hole, idx % P] = self.k_pool[blk_last, last % P]

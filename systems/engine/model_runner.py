@@ -15,6 +15,7 @@ from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.extension import appended_attention
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
+from systems.engine.probe import PositionProbe
 from systems.engine.sequence import Sequence
 from systems.policies.base import DecodeStep, Policy, SeqInfo
 
@@ -42,6 +43,7 @@ class ModelRunner:
             fused_decode.unsupported(model, kv)
         self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
             self.fused_unsupported is None else None
+        self.probe: PositionProbe | None = None     # set by the engine once a request asks for positions
 
     def _model(self) -> LlamaModel:
         if self.model is None:
@@ -152,7 +154,7 @@ class ModelRunner:
         call. `clock(phase)` after each phase of each layer (append, select, attention, then "rest" on the fused
         path or "after_append" on the per-op path); logits [B, V]."""
         if self.fused is not None:
-            logits = self.fused.logits(ids, positions, slots, infos, clock)
+            logits = self.fused.logits(ids, positions, slots, infos, clock, probe=self.probe)
             self.last_selected = self.fused.last_selected
             return logits
 
@@ -173,6 +175,8 @@ class ModelRunner:
             clock("append")
         step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
         selected = policy.select_pages(kv, step)
+        if self.probe is not None:
+            self.probe.observe(layer, infos, selected, self.windows[layer])
         if clock:
             clock("select")
         if selected is None:

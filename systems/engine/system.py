@@ -77,6 +77,7 @@ class EngineSystem:
                 request_id=req.request_id, text=text, token_ids=seq.output_ids, prompt_tokens=seq.num_prompt_tokens,
                 output_tokens=seq.num_output_tokens, arrival_time=seq.arrival_time, token_times=seq.token_times,
                 finish_reason=seq.finish_reason, kv_stats=seq.kv_stats, token_logprobs=seq.token_logprobs,
+                positions=self.engine.runner.probe.take(seq) if self.engine.runner.probe is not None else None,
                 argmax_ids=seq.argmax_ids,
                 logprobs=torch.stack(seq.logprob_rows) if seq.logprob_rows else None))
         return out

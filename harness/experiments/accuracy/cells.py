@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness.experiments.accuracy.params import FIDELITY_DEFAULTS
-from harness.measuring import fidelity
+from harness.measuring import answer_survival, fidelity
 from harness.running import cells as cells_on_disk
 from harness.running.config import UserError, dump_yaml, plain
 from harness.running.experiment import Run
@@ -127,12 +127,15 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
         if plan is not None and plan.role == "policy":
             plan.reference_rows = fidelity.reference_rows_of(CellStore(plan.reference_dir).rows())
         batch = grid.system.batch_size
+        # samples whose gold answer sits in the context: the engine records what each head keeps of it
+        layouts = {s.id: answer_survival.layout(s, ws.tokenizer, p) for s, p in todo}
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
             budgets = [item.budgets.get(s.id) for s, _ in chunk] if item.budgets else None
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
                                       stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
-                                      kv_budget=budgets[i] if budgets else None)
+                                      kv_budget=budgets[i] if budgets else None,
+                                      probe_positions=layouts[s.id] is not None)
                     for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
@@ -154,6 +157,9 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
                              "answers": list(s.answers), "prompt_tokens": c.prompt_tokens,
                              "output_tokens": c.output_tokens, "output_ids": list(c.token_ids), "ttft_s": c.ttft,
                              "tpot_s": c.tpot, "finish_reason": c.finish_reason, "kv_stats": c.kv_stats, **share, **f})
+                lay = layouts[s.id]
+                if lay is not None and c.positions is not None:
+                    rows[-1]["answer_survival"] = answer_survival.survival(c.positions, lay)
             store.append(rows)
             run.advance(len(rows))
         memory = system.memory_report().as_dict()

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from harness.experiments.accuracy import survival
 from harness.experiments.accuracy.data import AccuracyData
 from harness.reporting import plots, results_file
 from harness.reporting.summary import Summary
@@ -34,11 +36,13 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
     units = list(units or data.units)
     if reference is not None and reference in data.systems:
         md, csv = data.average_table(reference, units)
-        summary.section(f"Averages over task units (reference `{reference}`)").table(AccuracyData.AVERAGE_HEADER, md)
+        header, md, csv = survival.with_answer_kept(data, AccuracyData.AVERAGE_HEADER, md, csv, lambda c: units)
+        summary.section(f"Averages over task units (reference `{reference}`)").table(header, md)
         summary.csv([{k: v for k, v in r.items() if k != "task"} for r in csv], "averages")
     md, csv = data.unit_table(reference if reference in data.systems else None, units)
+    header, md, csv = survival.with_answer_kept(data, AccuracyData.UNIT_HEADER, md, csv, lambda c: [c["task"]])
     if per_unit:
-        summary.section("Per task unit").table(AccuracyData.UNIT_HEADER, md)
+        summary.section("Per task unit").table(header, md)
     summary.csv(csv, "scores")
     summary.results(results_file.unit_records(csv))
     flagged = data.flagged(reference) if reference in data.systems else []
@@ -58,6 +62,8 @@ def standard_sections(summary: Summary, data: AccuracyData, reference: str | Non
             summary.csv([pairwise_row(r, "fid_top1", title)
                          for r in data.fidelity_pairwise("fid_top1", ref, systems, units)], "pairwise")
     summary.text(DEFINITIONS)
+    if survival.has_answer_survival(data):
+        summary.text(survival.DEFINITION)
     others = [s for s in data.systems if s != reference]
     if reference in data.systems and others and per_unit:
         use = [u for u in units if u not in flagged] or units
@@ -100,6 +106,15 @@ def pairwise_row(row: dict, metric: str, group: str) -> dict:
     return {"group": group or None, "metric": metric, "system": row["system"], "other": row["other"],
             "difference": row[name], "ci_low": row[f"{name}_ci_low"], "ci_high": row[f"{name}_ci_high"],
             "n": row[f"{name}_n"], "verdict": row["verdict"]}
+
+
+def ruler_coverage(cells: Sequence[Any], rows_by_cell: Mapping[str, list[dict]]) -> str | None:
+    """What the RULER rows of a summary average (tasks, lengths, prompt format) and that it is not RULER's published
+    13-task number (tasks.ruler.coverage_of_rows); None without RULER rows."""
+    from tasks.ruler import coverage_of_rows
+
+    rows = [r for c in cells if c.task.family == "ruler" for r in rows_by_cell.get(c.key, [])]
+    return coverage_of_rows(rows)["line"] if rows else None
 
 
 def cells_seconds(metrics: list[dict]) -> float:
