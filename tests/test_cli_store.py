@@ -158,8 +158,10 @@ def test_bad_command_is_one_line_and_leaves_the_store(extra, setup, phrase, fini
 
 
 def cells_snapshot(results: Path) -> dict[str, str]:
-    """The cell folders' files only (a rebuilt summary rewrites summary.md/.csv and the PNGs beside them)."""
-    return {k: v for k, v in snapshot(results / EXP).items() if "/" in k or v == "dir"}
+    """The cell folders' files only (a rebuilt summary rewrites summary.md, the CSVs, the PNGs and the per-sample
+    logs in samples/ beside them; a cell that runs leaves its lock file in .locks/)."""
+    return {k: v for k, v in snapshot(results / EXP).items()
+            if ("/" in k or v == "dir") and not k.startswith(("samples/", ".locks/"))}
 
 
 def summary_systems(results: Path) -> set[str]:
