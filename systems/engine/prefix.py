@@ -26,37 +26,11 @@ keeping, and the next reader builds the prefix again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
 from systems.engine.kv_cache import TieredKVCache
+from systems.engine.sequence import Prefix, Sequence
 from systems.policies.base import Policy
-
-if TYPE_CHECKING:
-    from systems.engine.sequence import Sequence
-
-
-@dataclass(eq=False)
-class Prefix:
-    key: str
-    tokens: tuple[int, ...]                 # the first `length` tokens of every reader's prompt
-    compress_end: int                       # tokens the policy compressed alone (the context)
-    pinned: bool                            # kept until released (keep_prefill), else freed with its last reader
-    slot: int | None = None                 # holder slot once built
-    logits: torch.Tensor | None = None      # fp32 [V] next-token logits after the last prefix token
-    builder: Sequence | None = None         # the sequence that keeps it when its prefill reaches `length`
-    users: set[Sequence] = field(default_factory=set)    # unfinished sequences that read or keep it
-    forks: int = 0                          # readers forked from it so far
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def ready(self) -> bool:
-        return self.slot is not None
 
 
 class Prefixes:

@@ -1,16 +1,13 @@
-"""One request's life inside the engine: its tokens, slot, timestamps and sampling state."""
+"""One request's life inside the engine: its tokens, slot, timestamps, sampling state and the prefixes it shares."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 
 from systems.base import GenerationRequest
 from systems.policies.base import SeqInfo
-
-if TYPE_CHECKING:
-    from systems.engine.prefix import Prefix
 
 
 class Status(Enum):
@@ -94,3 +91,27 @@ class Sequence:
         return SeqInfo(slot=self.slot, request_id=self.request.request_id, prefill_len=self.compress_end,
                        seq_len=len(self.token_ids) if seq_len is None else seq_len, decode_step=self.decode_step,
                        max_new_tokens=self.request.max_new_tokens)
+
+
+@dataclass(eq=False)
+class Prefix:
+    """A compressed context several sequences read (or a prefix one keeps for later requests), held in its own
+    slot once built; the engine's prefix manager (engine/prefix.py) builds, forks and frees it."""
+
+    key: str
+    tokens: tuple[int, ...]                 # the first `length` tokens of every reader's prompt
+    compress_end: int                       # tokens the policy compressed alone (the context)
+    pinned: bool                            # kept until released (keep_prefill), else freed with its last reader
+    slot: int | None = None                 # holder slot once built
+    logits: torch.Tensor | None = None      # fp32 [V] next-token logits after the last prefix token
+    builder: Sequence | None = None         # the sequence that keeps it when its prefill reaches `length`
+    users: set[Sequence] = field(default_factory=set)    # unfinished sequences that read or keep it
+    forks: int = 0                          # readers forked from it so far
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def ready(self) -> bool:
+        return self.slot is not None

@@ -18,8 +18,8 @@ class RepeatNumber(Task):
         out = []
         for i in range(self.params.samples):
             number = str(rng.randrange(1000, 9999))
-            out.append(Sample(id=f"n{i}", prompt=f"The number is {number}. Repeat the number.", answers=(number,),
-                              max_new_tokens=self.params.max_new_tokens))
+            out.append(Sample(id=f"n{i}", context=f"The number is {number}. ", question="Repeat the number.",
+                              answers=(number,), max_new_tokens=self.params.max_new_tokens))
         return out
 
     def score(self, sample: Sample, prediction: str) -> dict[str, float]:
