@@ -99,6 +99,16 @@ def test_finished_request_holds_the_window_and_full_layers(hybrid):
         tokens = seq.num_prompt_tokens + seq.num_output_tokens - 1
         assert stats["device_pages_full"] == full_layers * engine.kv.num_kv_heads * -(-tokens // P)
         assert stats["device_pages_windowed"] == policy.window_blocks(tokens)
+    # the memory experiment's analytic count, split the same way
+    from harness.experiments.memory import analytic
+
+    kv = engine.kv
+    spec = {"layers": kv.num_layers, "kv_heads": kv.num_kv_heads, "page_size": P, "bytes_per_block": 1,
+            "minmax_bytes_per_page": 1}
+    seq = seqs[0]
+    row = analytic(policy, spec, seq.num_prompt_tokens, seq.num_output_tokens)
+    assert row["analytic_windowed_kv_bytes"] == seq.kv_stats["device_pages_windowed"]
+    assert row["analytic_full_kv_bytes"] == seq.kv_stats["device_pages_full"]
 
 
 @pytest.mark.parametrize("name", list(POLICIES))
