@@ -133,3 +133,32 @@ def test_dims_of_a_multimodal_checkpoint_come_from_its_text_config(tmp_path):
     dims = DimsView.of(tmp_path, 16, 4096)
     assert (dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim) == (4, 4, 2, 16)
     assert dims.layer_windows == (W, None, W, None) and dims.scale == 20 ** -0.5
+
+
+@pytest.mark.parametrize("name, params", [("snapkv", dict(budget=16, window=4)), ("cake", dict(budget=16, window=4)),
+                                          ("h2o", dict(budget=16))])
+def test_policies_compress_only_the_full_attention_layers(hybrid, name, params):
+    """On Gemma-3-like layers a policy's budget holds on the global layers; the sliding ones keep every token
+    counted but only their window's pages, and the analytic count matches within the policy's slack."""
+    family, path = hybrid
+    if family != "gemma3":
+        pytest.skip("a window on every layer: the policy manages them all")
+    policy = load_policy(name, params)
+    engine = Engine(str(path), policy, dict(page_size=P, device_memory_gb=0.02, host_memory_gb=0.02, max_num_seqs=2,
+                                            max_num_batched_tokens=128), dtype="float32")
+    prompt, new = _prompts()[0], 5
+    [seq] = engine.generate([GenerationRequest("a", prompt, new, ignore_eos=True)])
+    kept = torch.tensor(seq.kv_stats["kept_tokens"])                    # [L, Hkv]
+    tokens = len(prompt) + new - 1
+    assert (kept[[0, 2]] == tokens).all() and (kept[[1, 3]] <= params["budget"] + new).all()
+    assert policy.managed_layers == (1, 3) and policy.left_windows == {0: W, 2: W}
+    if name == "cake":
+        assert len(seq.kv_stats["layer_budgets"]) == 2
+    expected = policy.expected_device_blocks(len(prompt), new)
+    assert abs(seq.kv_stats["device_pages"] - expected) <= policy.expected_blocks_slack()
+    assert seq.kv_stats["device_pages_windowed"] == policy.window_blocks(tokens)
+    # admission: the policy's footprint counts the full layers at the budget and the windowed ones at their window
+    dense = load_policy("dense")
+    dense.configure(engine.kv)
+    assert policy.device_blocks_needed(len(prompt), new) < dense.device_blocks_needed(len(prompt), new)
+    assert dense.device_blocks_needed(len(prompt), new) < 4 * engine.kv.num_kv_heads * -(-len(prompt) // P)
