@@ -162,3 +162,36 @@ def test_policies_compress_only_the_full_attention_layers(hybrid, name, params):
     dense.configure(engine.kv)
     assert policy.device_blocks_needed(len(prompt), new) < dense.device_blocks_needed(len(prompt), new)
     assert dense.device_blocks_needed(len(prompt), new) < 4 * engine.kv.num_kv_heads * -(-len(prompt) // P)
+
+
+def _chunked_engine(path, name: str, chunk: int, blocks: int):
+    block_bytes = 2 * P * SMALL["head_dim"] * 4
+    cfg = dict(page_size=P, device_memory_gb=blocks * block_bytes / 2 ** 30, host_memory_gb=2048 * block_bytes / 2 ** 30,
+               max_num_seqs=4, max_num_batched_tokens=chunk, chunked_prefill=chunk < 4096)
+    return Engine(str(path), load_policy(MODULE.get(name, name), POLICIES[name]), cfg, dtype="float32")
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_chunked_prefill_on_a_hybrid_model(hybrid, name):
+    """Chunks (ends mid-page) give the whole-prompt output under every policy, and a tight pool with chunks and
+    preemption keeps the invariants: chunked admission counts a windowed layer at its window plus one chunk."""
+    family, path = hybrid
+    g = torch.Generator().manual_seed(7)
+    requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (n,), generator=g).tolist(), 12, ignore_eos=True)
+                for i, n in enumerate([37, 70, 110, 95, 5, 64])]
+    whole = [s.output_ids for s in _chunked_engine(path, name, 4096, 4096).generate(requests)]
+    assert [s.output_ids for s in _chunked_engine(path, name, 45, 4096).generate(requests)] == whole
+    engine = _chunked_engine(path, name, 24, 240 if family == "gemma3" else 160)
+    for seed in (0, 1):
+        _fuzz(engine, seed)
+
+
+def test_chunked_admission_reserves_the_window_not_the_prompt(hybrid):
+    family, path = hybrid
+    engine = _chunked_engine(path, "dense", 24, 4096)
+    kv, sched = engine.kv, engine.scheduler
+    rows, pages = kv.num_layers * kv.num_kv_heads, -(-110 // P)
+    windowed = len(kv.released_windows)
+    per_window = min(pages, -(-(W - 1) // P) + 1 + -(-24 // P))
+    assert sched._dense_blocks(110) == kv.num_kv_heads * ((kv.num_layers - windowed) * pages + windowed * per_window)
+    assert sched._dense_blocks(110) < rows * pages

@@ -23,6 +23,7 @@ class WindowRelease(PageSharing):
     int32: pages below it are already released (so a step looks only at pages the window left since)."""
 
     num_layers: int
+    num_kv_heads: int
     released_windows: dict[int, int]
     window_floor: torch.Tensor
     _window_layers: torch.Tensor
@@ -43,6 +44,22 @@ class WindowRelease(PageSharing):
         if window is None:
             return pages
         return pages - max(tokens - window + 1, 0) // self.page_size
+
+    def prompt_blocks(self, tokens: int, chunk: int | None = None) -> int:
+        """Device blocks (every layer and KV head) of a prompt stored uncompressed up to `tokens`: between steps
+        (chunk None), or at most at any moment while it is stored in chunks of up to `chunk` tokens (a layer left to
+        its window then holds its window's pages plus one chunk, until that layer's attention is done)."""
+        pages = -(-tokens // self.page_size)
+        total = 0
+        for layer in range(self.num_layers):
+            window = self.released_windows.get(layer)
+            if window is None:
+                total += pages
+            elif chunk is None:
+                total += self.window_pages_bound(layer, tokens)
+            else:
+                total += min(pages, -(-(window - 1) // self.page_size) + 1 + -(-chunk // self.page_size))
+        return total * self.num_kv_heads
 
     def release_out_of_window(self, slots: torch.Tensor, layer: int | None = None) -> int:
         """Free every page of the given slots (1-D) that the released windows can no longer read, on one layer or
