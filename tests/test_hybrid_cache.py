@@ -166,8 +166,9 @@ def test_policies_compress_only_the_full_attention_layers(hybrid, name, params):
 
 def _chunked_engine(path, name: str, chunk: int, blocks: int):
     block_bytes = 2 * P * SMALL["head_dim"] * 4
-    cfg = dict(page_size=P, device_memory_gb=blocks * block_bytes / 2 ** 30, host_memory_gb=2048 * block_bytes / 2 ** 30,
-               max_num_seqs=4, max_num_batched_tokens=chunk, chunked_prefill=chunk < 4096)
+    cfg = dict(page_size=P, device_memory_gb=blocks * block_bytes / 2 ** 30,
+               host_memory_gb=2048 * block_bytes / 2 ** 30, max_num_seqs=4, max_num_batched_tokens=chunk,
+               chunked_prefill=chunk < 4096)
     return Engine(str(path), load_policy(MODULE.get(name, name), POLICIES[name]), cfg, dtype="float32")
 
 
@@ -195,3 +196,12 @@ def test_chunked_admission_reserves_the_window_not_the_prompt(hybrid):
     per_window = min(pages, -(-(W - 1) // P) + 1 + -(-24 // P))
     assert sched._dense_blocks(110) == kv.num_kv_heads * ((kv.num_layers - windowed) * pages + windowed * per_window)
     assert sched._dense_blocks(110) < rows * pages
+
+
+def test_every_policy_states_what_it_does_on_windowed_layers():
+    from systems.policies import policy_class, policy_names
+    from systems.policies.base import WINDOWED_LAYERS
+
+    for name in policy_names():
+        cls = policy_class(name)
+        assert cls is not None and cls.windowed_layers in WINDOWED_LAYERS, name

@@ -166,6 +166,7 @@ class KVView(KVDims, Protocol):
 
 
 _REGISTRY_HINT = "systems/policies/<name>.py exposing POLICY"
+WINDOWED_LAYERS = ("window", "manage")      # what a policy may do on sliding-window layers (Policy.windowed_layers)
 
 
 def block_bytes(page_size: int, head_dim: int, element_bytes: int) -> int:
@@ -275,6 +276,9 @@ class Policy:
         one-line message for a setting that cannot work with these dims."""
         self.num_layers, self.num_kv_heads = dims.num_layers, dims.num_kv_heads
         self.num_q_heads, self.head_dim, self.page_size = dims.num_q_heads, dims.head_dim, dims.page_size
+        if self.windowed_layers not in WINDOWED_LAYERS:
+            raise ValueError(f"policy {self.name!r}: windowed_layers={self.windowed_layers!r}, use one of "
+                             f"{list(WINDOWED_LAYERS)}")
         windows = tuple(getattr(dims, "layer_windows", None) or (None,) * dims.num_layers)
         self.layer_windows = windows
         full = tuple(layer for layer, w in enumerate(windows) if w is None)
