@@ -2,7 +2,9 @@
 
 A prompt chunk is either prefill (positions before the sequence's compress_end: stored in position order, the
 policy's after-prefill hooks at its end) or, in query-agnostic mode, an extension: tokens after a compressed context
-appended to every head's cache (engine/extension.py) with the policy's after-extend hooks."""
+appended to every head's cache (engine/extension.py) with the policy's after-extend hooks. The hooks run on the layers
+the policy manages; a sliding-window layer it leaves to its window returns the pages its window left behind as soon as
+a prompt chunk is read there, and after every decode step (kv_window.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
