@@ -133,6 +133,12 @@ def test_dims_of_a_multimodal_checkpoint_come_from_its_text_config(tmp_path):
     dims = DimsView.of(tmp_path, 16, 4096)
     assert (dims.num_layers, dims.num_q_heads, dims.num_kv_heads, dims.head_dim) == (4, 4, 2, 16)
     assert dims.layer_windows == (W, None, W, None) and dims.scale == 20 ** -0.5
+    from omegaconf import OmegaConf
+
+    from harness.experiments.decode_microbench import model_dims
+    from harness.experiments.decode_microbench.params import Params
+    cfg = OmegaConf.create({"model": {"path": str(tmp_path)}})
+    assert model_dims(cfg, Params()) == {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16}   # decode_microbench
 
 
 @pytest.mark.parametrize("name, params", [("snapkv", dict(budget=16, window=4)), ("cake", dict(budget=16, window=4)),
