@@ -26,6 +26,7 @@ CITIES = ["Lisbon", "Nairobi", "Osaka", "Quito", "Tallinn", "Perth", "Accra", "H
 
 def needle_prompts(tokenizer, n: int, context_tokens: int) -> list[tuple[list[int], str]]:
     """(chat-rendered token ids, planted number) with the needle at depths spread from 10% to 90%."""
+    from tasks.base import chat_prompt_ids
     from tasks.haystack import build_context, char_at_depth
 
     out = []
@@ -38,9 +39,7 @@ def needle_prompts(tokenizer, n: int, context_tokens: int) -> list[tuple[list[in
         text = (context[:at] + needle + context[at:] +
                 f"\n\nWhat is the special magic number for {city} mentioned in the text above? "
                 "Answer with the number only.")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True)
-        out.append((list(ids["input_ids"] if hasattr(ids, "keys") else ids), number))
+        out.append((chat_prompt_ids(tokenizer, text), number))      # as the harness renders prompts
     return out
 
 

@@ -17,11 +17,14 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from systems.base import System
 from systems.engine.config import EngineConfig
 from systems.policies.base import Policy, block_bytes
+
+if TYPE_CHECKING:
+    from systems.engine.models.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,21 +92,28 @@ class Backend:
 
 
 class DimsView:
-    """The model's dimensions and the engine's page size: what Policy.configure needs, before any tensor exists."""
+    """The model's dimensions, each layer's sliding window and the engine's page size: what Policy.configure needs,
+    before any tensor exists. Read through ModelSpec, so a multimodal checkpoint's nested text_config counts."""
 
-    def __init__(self, cfg: dict, page_size: int, max_model_len: int):
+    def __init__(self, spec: ModelSpec, page_size: int, max_model_len: int):
         import torch
 
-        self.page_size, self.num_layers = page_size, cfg["num_hidden_layers"]
-        self.num_q_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_q_heads
-        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.num_q_heads
+        self.page_size, self.num_layers = page_size, spec.num_layers
+        self.num_q_heads, self.num_kv_heads, self.head_dim = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
+        self.layer_windows = spec.layer_windows
         self.max_pages = -(-max_model_len // page_size)
-        self.device, self.dtype, self.scale = torch.device("cpu"), torch.float32, self.head_dim ** -0.5
+        self.device, self.dtype, self.scale = torch.device("cpu"), torch.float32, spec.attn_scale
 
     @classmethod
     def of(cls, model_dir: Path, page_size: int, max_model_len: int) -> DimsView:
-        return cls(json.loads((Path(model_dir) / "config.json").read_text()), page_size, max_model_len)
+        # imported here: torch and transformers load only when a model is read
+        from systems.engine.models.spec import ModelSpec
+
+        try:
+            spec = ModelSpec.from_dir(model_dir)
+        except (ValueError, FileNotFoundError) as exc:
+            raise SystemConfigError(str(exc)) from None
+        return cls(spec, page_size, max_model_len)
 
 
 def plain_json(node: Any) -> str:

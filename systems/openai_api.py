@@ -196,7 +196,12 @@ def chat_prompt(body: dict, tokenizer: Any, max_chars: int | None = None) -> lis
     _check_chars(sum(len(m["content"]) for m in rendered), max_chars, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError("this model's tokenizer has no chat template; use /v1/completions", param="messages")
-    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    # Qwen3's template reads enable_thinking: off, the reply starts with the answer, as the harness's own prompts
+    template = tokenizer.chat_template
+    thinks = any(isinstance(t, str) and "enable_thinking" in t
+                 for t in (template.values() if isinstance(template, dict) else [template]))
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True,
+                                         **({"enable_thinking": False} if thinks else {}))
     return tokenizer.encode(text, add_special_tokens=False)
 
 

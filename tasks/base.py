@@ -126,8 +126,18 @@ def chat_prompt_ids(tokenizer: Any, text: str, system_prompt: str | None = None,
     for user, assistant in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     messages.append({"role": "user", "content": text})
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        **chat_template_kwargs(tokenizer))
     return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def chat_template_kwargs(tokenizer: Any) -> dict[str, Any]:
+    """Extra variables for the tokenizer's chat template: `enable_thinking=False` where the template reads that
+    switch (Qwen3's), so the assistant turn opens with an empty thinking block closed (as kvpress evaluates it) and
+    the answer follows directly; nothing for templates without it."""
+    template = getattr(tokenizer, "chat_template", None)
+    texts = template.values() if isinstance(template, dict) else [template]
+    return {"enable_thinking": False} if any(isinstance(t, str) and "enable_thinking" in t for t in texts) else {}
 
 
 def _check_types(name: str, schema: type, params: dict) -> None:

@@ -165,8 +165,8 @@ def test_malformed_rows_skip_or_fail(tmp_path, mode):
         assert len(task.samples(None)) == 1
 
 
-SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
-                 "head_dim": 64}
+SMOLLM2_SHAPE = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                 "hidden_size": 576, "head_dim": 64}
 
 
 def _system_files():

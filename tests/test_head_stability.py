@@ -70,6 +70,19 @@ def test_analyse_finds_the_jumpy_head_on_hand_made_traces():
     assert torch.allclose(torch.tensor(result["outside_mass"]), torch.tensor([[0.1, 0.9], [0.2, 0.8]]))
 
 
+def test_analyse_ranks_only_the_managed_layers_of_a_hybrid_model():
+    """A jumpy head on a layer left to its window (no traced sets there: PAD) is never picked; the unstable share is a
+    share of the managed layers' heads."""
+    knobs = head_stability.Params(top_k=2, window=3, unstable_fraction=0.5)
+    traces = [_trace(12, (1, 1)), _trace(9, (1, 1), seed=1)]
+    for tr in traces:
+        tr["sets"][:, 0] = torch.randint(0, 8, tr["sets"][:, 0].shape, dtype=torch.int16)     # layer 0: noise
+    result = stability.analyse(traces, knobs, 2, 2, layers=[1])
+    assert result["unstable_count"] == 1 and result["unstable_heads"] == [[1, 1]]
+    assert [(s["layer"], s["head"]) for s in result["head_stats"]] == [(1, 0), (1, 1)]
+    assert len(result["outside_mass"]) == 2                           # the proxy scores keep the model's shape
+
+
 def test_overlap_table():
     names, matrix = stability.overlap_table({"a": [[0, 1], [1, 1]], "b": [[1, 1], [2, 0]]})
     assert names == ["a", "b"] and matrix == [[1.0, 0.5], [0.5, 1.0]]

@@ -8,7 +8,8 @@ tier traffic, TTFT and the mean decode time per token (TPOT).
 
 The analytic count is the policy's own answer (Policy.expected_device_blocks, with expected_blocks_slack for
 per-layer rounding; prefill_peak_blocks where prefill holds more than the result, CAKE's cascading bound): the
-harness knows no policy by name, so a new policy is checked by its own rule.
+harness knows no policy by name, so a new policy is checked by its own rule. On a hybrid model (sliding-window and
+full-attention layers) both counts are also split by layer type: the windowed layers keep only their window's pages.
 """
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def analytic(policy: Policy, spec: dict, n: int, out: int) -> dict[str, float | 
     b, T = spec["bytes_per_block"], n + out - 1
     pages = -(-T // spec["page_size"])
     blocks, peak = policy.expected_device_blocks(n, out), policy.prefill_peak_blocks(n)
-    return {"tokens_held": T, "analytic_minmax_bytes": spec["layers"] * spec["kv_heads"] * pages
+    windowed = policy.window_blocks(T)          # the layers the policy leaves to their window
+    split = {} if not policy.left_windows else {
+        "analytic_windowed_kv_bytes": windowed * b,
+        "analytic_full_kv_bytes": math.nan if blocks is None else (blocks - windowed) * b}
+    return {**split, "tokens_held": T, "analytic_minmax_bytes": spec["layers"] * spec["kv_heads"] * pages
             * spec["minmax_bytes_per_page"], "dense_token_bytes": spec["layers"] * spec["kv_heads"] * T * b
             / spec["page_size"], "analytic_device_kv_bytes": math.nan if blocks is None else blocks * b,
             "analytic_tolerance_bytes": policy.expected_blocks_slack() * b,
@@ -63,7 +68,10 @@ def measure_one(system: Any, request: GenerationRequest) -> dict[str, Any]:
     (c,) = system.generate([request])
     mem, spec, stats = system.memory_report(), model_spec(system), c.kv_stats or {}
     kept = [v for row in stats.get("kept_tokens") or [] for v in row]
-    return {"prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
+    split = {} if "device_pages_windowed" not in stats else {      # a hybrid model: per layer type
+        "device_kv_windowed_bytes": stats["device_pages_windowed"] * spec["bytes_per_block"],
+        "device_kv_full_bytes": stats["device_pages_full"] * spec["bytes_per_block"]}
+    return {**split, "prompt_tokens": c.prompt_tokens, "output_tokens": c.output_tokens,
             "device_kv_final_bytes": stats.get("device_pages", 0) * spec["bytes_per_block"],
             "device_kv_peak_bytes": mem.device_kv_peak_bytes, "host_kv_peak_bytes": mem.host_kv_peak_bytes,
             "minmax_peak_bytes": mem.extra.get("minmax_peak_bytes"), "bytes_host_to_device": mem.bytes_host_to_device,
@@ -176,6 +184,13 @@ def write_summary(run: Run[Params], results: list[dict]) -> dict[str, str]:
             [[r["system"], r["length"], r["device_kv_peak_bytes"] / MIB,
               (r.get("analytic_prefill_peak_bytes") or r["analytic_device_kv_bytes"]) / MIB,
               1000 * (r["tpot_s"] or math.nan)] for r in peaks], 2)
+    hybrid = [r for r in results if "device_kv_windowed_bytes" in r]
+    if hybrid:
+        summary.section("Device KV by layer type (sliding-window vs full attention)").table(
+            ["system", "prompt", "windowed MiB", "analytic windowed MiB", "full MiB", "analytic full MiB"],
+            [[r["system"], r["length"], r["device_kv_windowed_bytes"] / MIB,
+              r.get("analytic_windowed_kv_bytes", math.nan) / MIB, r["device_kv_full_bytes"] / MIB,
+              r.get("analytic_full_kv_bytes", math.nan) / MIB] for r in hybrid], 2)
     summary.csv([{**{k: v for k, v in r.items() if k != "_env"}, "matches_analytic": o} for r, o in zip(results, ok)],
                 "memory")
 

@@ -51,6 +51,7 @@ from harness.running.prompts import truncate_middle
 from harness.running.schema import ModelConfig
 from systems.base import Completion, GenerationRequest
 from systems.registry import SystemConfigError, build_system
+from tasks.base import chat_template_kwargs
 
 log = logging.getLogger("kvharness.lmeval")
 LM_EVAL_ARGS = ("max_batch_size", "trust_remote_code", "parallelize", "backend")
@@ -170,7 +171,8 @@ class KVHarnessLM(LM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **chat_template_kwargs(self.tokenizer))
 
     # -- generation through the KV policy ---------------------------------------------------------------
     def generate_until(self, requests: Sequence[Any], disable_tqdm: bool = False) -> list[str]:

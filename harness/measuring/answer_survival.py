@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from systems.base import PositionRecord
-from tasks.base import Sample
+from tasks.base import Sample, chat_template_kwargs
 
 REGIONS = ("preamble", "instruction", "document", "question", "closing", "output")
 
@@ -45,7 +45,8 @@ def layout(sample: Sample, tokenizer: Any, ids: list[int]) -> PromptLayout | Non
             for user, assistant in sample.turns:
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
             messages.append({"role": "user", "content": sample.prompt})
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **chat_template_kwargs(tokenizer))
             start = text.rindex(sample.prompt)
             lead: list[int] = []
         else:

@@ -55,9 +55,10 @@ class Engine:
             head_dim=spec.head_dim, page_size=cfg.page_size, max_seqs=cfg.max_num_seqs + kept,
             max_model_len=self.max_model_len, device_memory_gb=cfg.device_memory_gb,
             host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops,
-            scale=spec.attn_scale)
+            scale=spec.attn_scale, layer_windows=spec.layer_windows)
         self.policy = policy
         policy.bind(self.kv)
+        self.kv.set_released_windows(policy.left_windows)
         # batch-invariant mode never mixes prefill and decode rows in one forward (a row's matmul shape would then
         # depend on its neighbours), so it prefills whole prompts
         self.scheduler = Scheduler(self.kv, policy, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -298,6 +299,7 @@ class Engine:
         storage and handed to the scheduler and runner. Only between generate() calls: no sequence may be alive."""
         assert not self.scheduler.has_work(), "set_policy with sequences in flight"
         policy.bind(self.kv)
+        self.kv.set_released_windows(policy.left_windows)
         self.policy = self.scheduler.policy = self.runner.policy = policy
         if self.runner.fused is not None:
             self.runner.fused.policy = policy

@@ -94,7 +94,8 @@ class FusedDecode:
                 if clock:
                     clock("append")
                 step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
-                selected = self.policy.select_pages(kv, step)
+                managed = self.policy.manages(layer)       # a layer left to its window reads all it holds
+                selected = self.policy.select_pages(kv, step) if managed else None
                 self.last_selected = selected
                 if probe is not None:
                     probe.observe(layer, infos, selected, self.windows[layer] or None)
@@ -104,7 +105,8 @@ class FusedDecode:
                 if clock:
                     clock("attention")
                 delta = ops.decode_layer_mlp(h, attn, o, ln2, gate_up, down, inter, eps)
-                self.policy.after_append(kv, step)
+                if managed:
+                    self.policy.after_append(kv, step)
                 if clock:
                     clock("rest")
         return ops.decode_logits(h, delta, model.norm, self.lm_head, model.lm_head.weight.shape[0], eps).float()

@@ -1,9 +1,9 @@
 """Tiered paged KV storage: device and host pools of head-pages, per-(seq, layer, KV head) tables, the MinMax cache.
 
 Implements systems.policies.base.KVView. Blocks may be mapped by several slots (kv_sharing.py: forks, copy on
-write); tier copies live in kv_tiers.py. On CUDA the host pool is pinned and tier copies run on a low-priority stream;
-on CPU both pools are RAM but separate tensors, and every tier copy is a real copy. No CUDA API is touched unless the
-device is CUDA.
+write); tier copies live in kv_tiers.py; sliding-window layers return the pages their window left (kv_window.py).
+On CUDA the host pool is pinned and tier copies run on a low-priority stream; on CPU both pools are RAM but separate
+tensors, and every tier copy is a real copy. No CUDA API is touched unless the device is CUDA.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from systems.engine.block_pool import BlockPool
 from systems.engine.kv_tiers import TierCopies
+from systems.engine.kv_window import WindowRelease
 from systems.engine.ops import load_ops
 from systems.policies.base import block_bytes
 
@@ -30,11 +31,13 @@ def _pool(n: int, shape: tuple, dtype: torch.dtype, device: torch.device, pin: b
     return torch.empty((n, *shape), dtype=dtype, device=device)
 
 
-class TieredKVCache(TierCopies):
+class TieredKVCache(TierCopies, WindowRelease):
     def __init__(self, *, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  max_seqs: int, max_model_len: int, device_memory_gb: float, host_memory_gb: float,
-                 dtype: torch.dtype, device: torch.device, ops: Any = None, scale: float | None = None) -> None:
-        """`scale`: the model's softmax scale of q.k (None: head_dim ** -0.5; Gemma 3 sets query_pre_attn_scalar)."""
+                 dtype: torch.dtype, device: torch.device, ops: Any = None, scale: float | None = None,
+                 layer_windows: tuple[int | None, ...] | None = None) -> None:
+        """`scale`: the model's softmax scale of q.k (None: head_dim ** -0.5; Gemma 3 sets query_pre_attn_scalar).
+        `layer_windows`: each layer's sliding window (None: full attention), see set_released_windows."""
         self.num_layers, self.num_q_heads, self.num_kv_heads = num_layers, num_q_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype, self.device = head_dim, page_size, dtype, torch.device(device)
         self.scale = head_dim ** -0.5 if scale is None else scale
@@ -58,6 +61,9 @@ class TieredKVCache(TierCopies):
         self.block_table = torch.zeros(tab, dtype=torch.int32, device=self.device)
         self.host_table = torch.zeros(tab, dtype=torch.int32, device=self.device)
         self.num_tokens = torch.zeros(tab[:3], dtype=torch.int32, device=self.device)
+        self.layer_windows = tuple(layer_windows) if layer_windows is not None else (None,) * num_layers
+        self.window_floor = torch.zeros(tab[:3], dtype=torch.int32, device=self.device)
+        self.set_released_windows({})
         self.kmin = torch.empty((*tab, head_dim), dtype=dtype, device=self.device)
         self.kmax = torch.empty((*tab, head_dim), dtype=dtype, device=self.device)
         self.minmax_bytes_per_page = 2 * head_dim * elem
@@ -201,7 +207,12 @@ class TieredKVCache(TierCopies):
             pool.free(row[row != 0])
             row.zero_()
         self.num_tokens[slot].zero_()
+        self.window_floor[slot].zero_()
         self._paused.discard(slot)
+
+    def fork_slot(self, src: int, dst: int) -> None:
+        super().fork_slot(src, dst)
+        self.window_floor[dst] = self.window_floor[src]       # the pages src released are released for dst too
 
     def refresh_minmax(self, slot: int, layer: int, heads: torch.Tensor | None = None,
                        pages: range | None = None) -> None:

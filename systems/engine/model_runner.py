@@ -2,7 +2,9 @@
 
 A prompt chunk is either prefill (positions before the sequence's compress_end: stored in position order, the
 policy's after-prefill hooks at its end) or, in query-agnostic mode, an extension: tokens after a compressed context
-appended to every head's cache (engine/extension.py) with the policy's after-extend hooks."""
+appended to every head's cache (engine/extension.py) with the policy's after-extend hooks. The hooks run on the layers
+the policy manages; a sliding-window layer it leaves to its window returns the pages its window left behind as soon as
+a prompt chunk is read there, and after every decode step (kv_window.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -85,6 +87,7 @@ class ModelRunner:
 
         tile = self.prefill_tile if chunks else self.decode_tile
         hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=tile)
+        self.kv.release_out_of_window(slots)           # the decodes' windowed layers (chunks released per layer)
         for i, (seq, a, b) in enumerate(chunks):
             if seq.request.prompt_logprobs is not None:
                 self._score_prompt(seq, a, b, hidden[bounds[i]:bounds[i + 1]])
@@ -118,7 +121,9 @@ class ModelRunner:
             k_prev, v_prev = kv.prompt_kv(info.slot, layer, a)
             keys, values = torch.cat([k_prev, k]), torch.cat([v_prev, v])
         out = self.ops.prompt_attention(q, keys, values, kv.scale, window=self.windows[layer])
-        if not self._prompt_hook:
+        if layer in kv.released_windows:        # left to its window: the pages before it go as soon as it is read
+            kv.release_out_of_window(torch.tensor([info.slot], device=self.device), layer)
+        if not self._prompt_hook or not self.policy.manages(layer):
             return out
         if b < seq.compress_end:     # the hook sees the whole prompt: keep this chunk's queries (keys stay stored)
             seq.prompt_q.setdefault(layer, []).append(q.clone())
@@ -135,8 +140,10 @@ class ModelRunner:
         on the device, then the policy's after-extend hook (they are not compressed)."""
         self.kv.append_tokens(info.slot, layer, k, v)
         out = appended_attention(q, self.kv, info.slot, layer, window=self.windows[layer])
-        if self._extend_hook:
+        if self._extend_hook and self.policy.manages(layer):
             self.policy.after_extend_layer(self.kv, info, layer, q, k)
+        if layer in self.kv.released_windows:
+            self.kv.release_out_of_window(torch.tensor([info.slot], device=self.device), layer)
         return out
 
     @torch.inference_mode()
@@ -156,12 +163,15 @@ class ModelRunner:
         if self.fused is not None:
             logits = self.fused.logits(ids, positions, slots, infos, clock, probe=self.probe)
             self.last_selected = self.fused.last_selected
+            self.kv.release_out_of_window(slots)
             return logits
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             return self.decode_layer(layer, q, k, v, slots, infos, clock)
 
         hidden = self._model().forward(ids, positions, attend, tile=self.decode_tile, decode=True)
+        # after the step, all windowed layers at once: the next query's window starts one token later
+        self.kv.release_out_of_window(slots)
         return self._model().logits(hidden, tile=self.decode_tile)
 
     def decode_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -174,7 +184,8 @@ class ModelRunner:
         if clock:
             clock("append")
         step = DecodeStep(layer=layer, slots=slots, seqs=infos, q=q)
-        selected = policy.select_pages(kv, step)
+        managed = policy.manages(layer)
+        selected = policy.select_pages(kv, step) if managed else None
         if self.probe is not None:
             self.probe.observe(layer, infos, selected, self.windows[layer])
         if clock:
@@ -195,7 +206,8 @@ class ModelRunner:
         self.last_selected = selected
         if clock:
             clock("attention")
-        policy.after_append(kv, step)
+        if managed:
+            policy.after_append(kv, step)
         if clock:
             clock("after_append")
         return out

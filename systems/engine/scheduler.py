@@ -3,8 +3,9 @@
 Two modes. Chunked prefill (the default, as vLLM's scheduler): every step first decodes the running sequences, then
 spends what is left of max_num_batched_tokens on prompt chunks — sequences mid-prefill first, then new arrivals —
 so a long arrival no longer stalls the decodes. A chunked prompt keeps every page resident until its last chunk is
-stored; then the policy sees the whole prompt at once (its after_prefill_layer hooks run in that step), so
-eviction policies keep their semantics, and admission reserves the prompt's full footprint for it.
+stored (a sliding-window layer only its window and the chunk being stored: kv_window.py); then the policy sees the
+whole prompt at once (its after_prefill_layer hooks run in that step), so eviction policies keep their semantics,
+and admission reserves the prompt's full footprint for it.
 
 Whole-prompt prefill (chunked_prefill off, and always in batch-invariant mode, where a row's matmul shape must not
 depend on what shares its step): prefill steps and decode steps alternate, several prompts share a prefill step
@@ -132,7 +133,9 @@ class Scheduler:
 
     # ---- device blocks -------------------------------------------------------------------------------------------
     def _dense_blocks(self, tokens: int) -> int:
-        return self.blocks_per_page_row * -(-tokens // self.kv.page_size)
+        """Most blocks a prompt stored in chunks holds while `tokens` of it are stored (every page of a full-attention
+        layer; a sliding-window layer returns the pages its window left after each chunk)."""
+        return self.kv.prompt_blocks(tokens, self.max_num_batched_tokens if self.chunked_prefill else tokens)
 
     def _tail_blocks(self, tokens: int) -> int:
         """Blocks an uncompressed append of `tokens` can take after a compressed cache (per head a partial page,
@@ -148,7 +151,8 @@ class Scheduler:
                 continue
             end = s.compress_end
             if s.num_computed < end:
-                total += self._dense_blocks(end) - self._dense_blocks(s.num_computed)
+                # what it may still draw: its peak up to the end, less what it holds now
+                total += max(self._dense_blocks(end) - self.kv.prompt_blocks(s.num_computed), 0)
                 total += self._tail_blocks(s.prefill_len - end)
             else:
                 total += self._tail_blocks(s.prefill_len - s.num_computed)

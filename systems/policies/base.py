@@ -16,6 +16,9 @@ this order for each sequence (identified by its `slot`, an integer in [0, max_nu
     kv_stats(kv, seq) -> dict                     when the sequence finishes (copied into Completion.kv_stats)
     reset(slot)                                   after it finishes; the engine then frees all its blocks
 
+The per-layer hooks run only on the layers the policy manages (`Policy.manages`; on a hybrid model its full-attention
+layers unless it sets `windowed_layers = "manage"`); the engine keeps the other, sliding-window layers to their window.
+
 Storage the view exposes (all tensors live on the engine's device; policies may read them and must change them only
 through the view's methods, which keep the free lists, MinMax cache and byte counters consistent):
 
@@ -83,6 +86,7 @@ class KVDims(Protocol):
     device: torch.device
     dtype: torch.dtype
     scale: float                        # softmax scale of the model's attention (1/sqrt(head_dim))
+    layer_windows: tuple[int | None, ...]   # each layer's sliding window, None for full attention
 
 
 class KVView(KVDims, Protocol):
@@ -162,6 +166,7 @@ class KVView(KVDims, Protocol):
 
 
 _REGISTRY_HINT = "systems/policies/<name>.py exposing POLICY"
+WINDOWED_LAYERS = ("window", "manage")      # what a policy may do on sliding-window layers (Policy.windowed_layers)
 
 
 def block_bytes(page_size: int, head_dim: int, element_bytes: int) -> int:
@@ -180,6 +185,12 @@ class Policy:
     full_cache: ClassVar[bool] = False
     profile_schema: ClassVar[tuple[str, ...]] = ()      # keys its profile JSON must hold; () = it needs no profile
     profiler: ClassVar[str | None] = None               # the experiment (conf/exp name) that makes its profile
+    # What the policy does on sliding-window layers. "window" (default, as kvpress compresses only Gemma 3's global
+    # layers): it leaves them to their window — its hooks never run there and the engine frees the pages the window
+    # left behind — and its budgets, allocations and profiles cover the full-attention layers only; on a model
+    # without full-attention layers (a window everywhere) it manages every layer. "manage": its hooks run on every
+    # layer and it alone decides what a windowed layer holds (the window then only masks).
+    windowed_layers: ClassVar[str] = "window"
 
     # ---- what the harness asks a policy (defaults here; a policy overrides what differs) ----------------------------
     @classmethod
@@ -233,7 +244,8 @@ class Policy:
         """Device blocks one request holds when it finishes (prompt_len + output_tokens - 1 tokens stored), by this
         policy's rule: the analytic count `+exp=memory` checks the engine against. Default: every page of every
         (layer, KV head) resident. None: no closed form."""
-        return self.num_layers * self.num_kv_heads * -(-(prompt_len + output_tokens - 1) // self.page_size)
+        tokens = prompt_len + output_tokens - 1
+        return self.num_managed * self.num_kv_heads * -(-tokens // self.page_size) + self.window_blocks(tokens)
 
     def expected_blocks_slack(self) -> int:
         """How far the measured count may sit from expected_device_blocks (per-layer rounding, partial pages)."""
@@ -264,6 +276,46 @@ class Policy:
         one-line message for a setting that cannot work with these dims."""
         self.num_layers, self.num_kv_heads = dims.num_layers, dims.num_kv_heads
         self.num_q_heads, self.head_dim, self.page_size = dims.num_q_heads, dims.head_dim, dims.page_size
+        if self.windowed_layers not in WINDOWED_LAYERS:
+            raise ValueError(f"policy {self.name!r}: windowed_layers={self.windowed_layers!r}, use one of "
+                             f"{list(WINDOWED_LAYERS)}")
+        windows = tuple(getattr(dims, "layer_windows", None) or (None,) * dims.num_layers)
+        self.layer_windows = windows
+        full = tuple(layer for layer, w in enumerate(windows) if w is None)
+        # a full-cache policy changes nothing anywhere, so its windowed layers are the window's
+        every = not self.full_cache and (self.windowed_layers == "manage" or not full)
+        self.managed_layers: tuple[int, ...] = tuple(range(dims.num_layers)) if every else full
+        self.left_windows: dict[int, int] = {layer: w for layer, w in enumerate(windows)
+                                             if w is not None and layer not in self.managed_layers}
+        self._rank = {layer: i for i, layer in enumerate(self.managed_layers)}
+
+    def manages(self, layer: int) -> bool:
+        """Whether the policy's hooks run on `layer` (see `windowed_layers`)."""
+        return layer in self._rank
+
+    def layer_rank(self, layer: int) -> int:
+        """The layer's place among the managed layers (per-layer budgets and profiles are indexed by it)."""
+        return self._rank[layer]
+
+    @property
+    def num_managed(self) -> int:
+        return len(self.managed_layers)
+
+    def window_blocks(self, tokens: int) -> int:
+        """Device blocks the layers left to their window hold with `tokens` tokens stored: the pages of their last
+        W - 1 tokens (at most ceil((W - 1) / P) + 1 per KV head), the freed ones not counted."""
+        pages = -(-tokens // self.page_size)
+        return self.num_kv_heads * sum(pages - max(tokens - w + 1, 0) // self.page_size
+                                       for w in self.left_windows.values())
+
+    def window_prefill_blocks(self, prompt_len: int) -> int:
+        """window_blocks after a prefill of `prompt_len`, plus its transient peak: one windowed layer holds the whole
+        prompt until its attention is done and the pages before its window go."""
+        if not self.left_windows:
+            return 0
+        pages = -(-prompt_len // self.page_size)
+        least = min(pages - max(prompt_len - w + 1, 0) // self.page_size for w in self.left_windows.values())
+        return self.window_blocks(prompt_len) + self.num_kv_heads * (pages - least)
 
     def bind(self, kv: KVView) -> None:
         """Called once before any request, with the storage the policy will act on: configure, then allocate
@@ -275,7 +327,7 @@ class Policy:
         holds after prefill plus its transient peak during prefill (decode growth is handled by preemption).
         Default: every page of every (layer, KV head) resident."""
         pages = -(-prompt_len // self.page_size)
-        return pages * self.num_layers * self.num_kv_heads
+        return pages * self.num_managed * self.num_kv_heads + self.window_prefill_blocks(prompt_len)
 
     def reset(self, slot: int) -> None:
         """Forget every piece of state held for this slot (called at admission and after finish/preemption)."""
@@ -319,5 +371,10 @@ class Policy:
         """Realized KV of the finished sequence: tokens kept per layer and KV head, resident device pages."""
         counts = kv.num_tokens[seq.slot]
         resident = (kv.block_table[seq.slot] != 0).sum(-1)
-        return {"policy": self.name, "mode": self.mode, "kept_tokens": counts.tolist(),
-                "device_pages": int(resident.sum())}
+        out = {"policy": self.name, "mode": self.mode, "kept_tokens": counts.tolist(),
+               "device_pages": int(resident.sum())}
+        windowed = [layer for layer, w in enumerate(self.layer_windows) if w is not None]
+        if windowed:                # what each layer type holds (layers left to their window keep only it)
+            out.update(windowed_layers=self.windowed_layers, device_pages_windowed=int(resident[windowed].sum()),
+                       device_pages_full=int(resident.sum()) - int(resident[windowed].sum()))
+        return out

@@ -7,7 +7,8 @@ Follows antgroup/cakekv (`cake/model/modify_llama.py`, `cake/cake_cache.py`, `ca
 - budgets B_l = P_l / sum P * (cache_size - S_w) * L, repaired by `allocation.adjust_budgets`, clamped to n - S_w;
 - cascading: after each layer's prefill the budgets are recomputed over the layers seen so far and every seen layer is
   re-evicted (its stored scores are compacted with it, so re-eviction equals one-shot eviction); without cascading
-  the full prefill KV is held until the last layer. No eviction while n <= cache_size + S_w;
+  the full prefill KV is held until the last layer. No eviction while n <= cache_size + S_w. On a hybrid model L, the
+  preferences, the cascade and its last layer are those of the layers the policy manages (the full-attention ones);
 - decode: a layer holds B_l + S_w tokens; once over, the current query's attention (mean -> avg-pool 5 -> group mean,
   no variance) picks the token to drop among all but the last S_w, so about one token leaves per step.
 
@@ -94,14 +95,14 @@ class Cake(Policy):
     # ---- budgets -------------------------------------------------------------------------------------------------
     @property
     def total(self) -> int:
-        return (self.budget - self.window) * self.num_layers
+        return (self.budget - self.window) * self.num_managed
 
     def compresses(self, n: int) -> bool:
         return n > self.budget + self.window
 
     def seen_budgets(self, prefs: list[float], n: int) -> list[int]:
         """Non-window budgets of the layers seen so far (len(prefs) of them), before the eviction-time clamp."""
-        seen, cap, L = len(prefs), n - self.window, self.num_layers
+        seen, cap, L = len(prefs), n - self.window, self.num_managed
         if self.allocation == "preference":
             return alloc.preference_budgets(prefs, self.total, cap)
         if self.allocation == "uniform":
@@ -117,10 +118,10 @@ class Cake(Policy):
         decode tokens are appended to what prefill kept."""
         T = prompt_len + output_tokens - 1
         held = min(T, self.budget) if self.decode_evict else min(prompt_len, self.budget) + output_tokens - 1
-        return self.num_layers * self.num_kv_heads * -(-held // self.page_size)
+        return self.num_managed * self.num_kv_heads * -(-held // self.page_size) + self.window_blocks(T)
 
     def expected_blocks_slack(self) -> int:
-        return self.num_layers * self.num_kv_heads      # non-uniform per-layer budgets round up once per layer
+        return self.num_managed * self.num_kv_heads     # non-uniform per-layer budgets round up once per layer
 
     def prefill_peak_blocks(self, prompt_len: int) -> int | None:
         """With cascading the seen layers hold at most their budgets plus one whole layer; without it the whole
@@ -131,11 +132,12 @@ class Cake(Policy):
         if not (self.cascading and self.compresses(prompt_len)):
             return super().device_blocks_needed(prompt_len, max_new_tokens)
         if self.allocation == "preference":
-            return alloc.cascading_blocks_bound(prompt_len, self.total, self.window, self.num_layers, self.page_size,
-                                                self.num_kv_heads)
-        fixed = self.seen_budgets([1.0] * self.num_layers, prompt_len)
+            bound = alloc.cascading_blocks_bound(prompt_len, self.total, self.window, self.num_managed,
+                                                 self.page_size, self.num_kv_heads)
+            return bound + self.window_prefill_blocks(prompt_len)
+        fixed = self.seen_budgets([1.0] * self.num_managed, prompt_len)
         return alloc.prefill_blocks_bound(prompt_len, [max(b, 0) + self.window for b in fixed], self.page_size,
-                                          self.num_kv_heads)
+                                          self.num_kv_heads) + self.window_prefill_blocks(prompt_len)
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def reset(self, slot: int) -> None:
@@ -165,20 +167,22 @@ class Cake(Policy):
         st.positions.append(prefix)
         st.ranks.append(prefix)                              # before any eviction the cache is in position order
         st.budgets.append(n - self.window)
-        if not self.cascading and layer < self.num_layers - 1:
+        last = self.layer_rank(layer) == self.num_managed - 1
+        if not self.cascading and not last:
             return
         for i, b in enumerate(self.seen_budgets(st.prefs, n)):
             self._evict(kv, seq.slot, i, st, min(max(b, 0), n - self.window))
-        if layer == self.num_layers - 1:                     # hand the kept tokens to the decode-time ledger
+        if last:                                             # hand the kept tokens to the decode-time ledger
             window = torch.arange(n - self.window, n, device=k.device).expand(hkv, self.window)
-            for i in range(self.num_layers):
+            for i, managed in enumerate(self.managed_layers):
                 kept = st.positions[i].shape[-1]
-                self.ledger.set(seq.slot, i, torch.cat([st.positions[i], window], dim=-1),
+                self.ledger.set(seq.slot, managed, torch.cat([st.positions[i], window], dim=-1),
                                 torch.cat([st.ranks[i], window - (n - self.window) + kept], dim=-1))
             st.scores, st.positions, st.ranks = [], [], []
 
     def _evict(self, kv: KVView, slot: int, layer: int, st: _SlotState, budget: int) -> None:
-        """Keep the `budget` best prefix tokens of the layer (plus its window); storage stays in position order."""
+        """Keep the `budget` best prefix tokens of the layer (plus its window); storage stays in position order.
+        `layer` is the rank among the managed layers, as the slot state's lists are indexed."""
         scores = st.scores[layer]
         kept = scores.shape[-1]
         budget = min(budget, kept)                           # a grown budget cannot bring evicted tokens back
@@ -192,7 +196,7 @@ class Cake(Policy):
         st.ranks[layer] = rank
         h, w = top.shape[0], self.window
         window = torch.arange(kept, kept + w, device=top.device).expand(h, w)
-        kv.keep_tokens(slot, layer, list(torch.cat([top, window], dim=-1).unbind(0)))
+        kv.keep_tokens(slot, self.managed_layers[layer], list(torch.cat([top, window], dim=-1).unbind(0)))
         st.budgets[layer] = budget
 
     def fork(self, kv: KVView, src: int, dst: int) -> None:
@@ -219,7 +223,8 @@ class Cake(Policy):
         self.ledger.append(slots, layer, new_pos, (APPENDED + new_pos.float()).view(-1, 1).expand(-1, kv.num_kv_heads))
         if not self.decode_evict:
             return
-        limit = torch.tensor([self._state[s.slot].budgets[layer] + self.window for s in step.seqs],
+        rank = self.layer_rank(layer)
+        limit = torch.tensor([self._state[s.slot].budgets[rank] + self.window for s in step.seqs],
                              device=slots.device)
         over = (kv.num_tokens[slots, layer, 0].long() > limit).nonzero().flatten()
         if over.numel() == 0:

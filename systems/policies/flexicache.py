@@ -83,6 +83,9 @@ class FlexiCache(Policy):
         self.unstable = torch.zeros(dims.num_layers, dims.num_kv_heads, dtype=torch.bool, device=dims.device)
         for layer, head in heads:
             self.unstable[layer, head] = True
+        # a profile's heads on layers left to their window do nothing there: the counts below cover managed layers
+        left = [layer for layer in range(dims.num_layers) if not self.manages(layer)]
+        self.unstable[left] = False
         self._unstable_cpu = self.unstable.cpu()
         self._stable_heads = [(~row).nonzero().view(-1) for row in self.unstable]
         self._unstable_heads = [row.nonzero().view(-1) for row in self.unstable]
@@ -112,22 +115,23 @@ class FlexiCache(Policy):
 
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         pages = -(-prompt_len // self.page_size)
-        n_unstable = self._unstable_cpu.sum(-1)                          # [L]
+        n_unstable = self._unstable_cpu.sum(-1)[list(self.managed_layers)]     # [managed layers]
         n_stable = self.num_kv_heads - n_unstable
         kept = min(pages, self.top_k)
         settled = int((n_unstable * pages + n_stable * kept).sum())
-        transient = int(n_stable.max()) * (pages - kept)                 # one layer's stable heads before release
-        return settled + transient
+        transient = int(n_stable.max()) * (pages - kept) if n_stable.numel() else 0   # one layer before release
+        return settled + transient + self.window_prefill_blocks(prompt_len)
 
     def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
         """Unstable heads hold every page; stable heads their top-K pages, the partial last one among them."""
-        pages = -(-(prompt_len + output_tokens - 1) // self.page_size)
+        tokens = prompt_len + output_tokens - 1
+        pages = -(-tokens // self.page_size)
         n_unstable = int(self._unstable_cpu.sum())
-        n_stable = self.num_layers * self.num_kv_heads - n_unstable
-        return n_unstable * pages + n_stable * min(pages, self.top_k)
+        n_stable = self.num_managed * self.num_kv_heads - n_unstable
+        return n_unstable * pages + n_stable * min(pages, self.top_k) + self.window_blocks(tokens)
 
     def expected_blocks_slack(self) -> int:
-        return self.num_layers * self.num_kv_heads      # a reranked page in flight: within one page per head
+        return self.num_managed * self.num_kv_heads     # a reranked page in flight: within one page per head
 
     @classmethod
     def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
@@ -312,9 +316,10 @@ class FlexiCache(Policy):
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
         st = {k: v for k, v in self._stats.get(seq.slot, {}).items() if not k.startswith("_")}
-        pages = -(-int(kv.num_tokens[seq.slot].max()) // kv.page_size)
+        tokens = int(kv.num_tokens[seq.slot].max())
+        pages = -(-tokens // kv.page_size)
         n_unstable = int(self.unstable.sum())
-        n_stable = self.num_layers * self.num_kv_heads - n_unstable
+        n_stable = self.num_managed * self.num_kv_heads - n_unstable
         st["bytes_host_to_device"] = st.get("promoted_pages", 0) * self.bytes_per_block
         st["bytes_device_to_host"] = st.get("offloaded_pages", 0) * self.bytes_per_block
         st["promoted_share_of_topk"] = (st["promoted_pages"] / st["topk_pages_reranked"]
@@ -322,8 +327,8 @@ class FlexiCache(Policy):
         stats.update(st, budget_tokens=self.budget, top_k=self.top_k, naive=self.naive,
                      unstable_heads=n_unstable, stable_heads=n_stable, profile=self.profile_source,
                      device_kv_bytes=stats["device_pages"] * self.bytes_per_block,
-                     analytic_device_kv_bytes=(n_unstable * pages + n_stable * min(pages, self.top_k))
-                     * self.bytes_per_block,
+                     analytic_device_kv_bytes=(n_unstable * pages + n_stable * min(pages, self.top_k)
+                                               + self.window_blocks(tokens)) * self.bytes_per_block,
                      minmax_bytes=self.num_layers * self.num_kv_heads * pages * self.minmax_bytes_per_page)
         return stats
 

@@ -76,6 +76,8 @@ class LServe(Policy):
         self.streaming = torch.zeros(dims.num_layers, dims.num_kv_heads, dtype=torch.bool)
         for layer, head in self._streaming_list(dims):
             self.streaming[layer, head] = True
+        # a profile's heads on layers left to their window do nothing there: the counts below cover managed layers
+        self.streaming[[layer for layer in range(dims.num_layers) if not self.manages(layer)]] = False
         self._streaming_dev = self.streaming.to(dims.device)
         # selection units: every query head (each with its own choice) or every KV head (one choice per group)
         self._group = dims.num_q_heads // dims.num_kv_heads if self.granularity == "query_head" else 1
@@ -100,25 +102,29 @@ class LServe(Policy):
         if tuple(scores.shape) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"lserve profile {path} scores {tuple(scores.shape)} heads, the model has "
                              f"{kv.num_layers} x {kv.num_kv_heads}; profile this model")
-        return streaming_split(scores, self.sparsity)
+        managed = list(self.managed_layers)     # the sparsity quantile is over the heads it manages
+        return [(managed[layer], head) for layer, head in streaming_split(scores[managed], self.sparsity)]
 
     def _kept_pages(self, pages: int) -> int:
         return min(pages, self.sink_pages + self.local_pages + 1)
 
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         pages = -(-prompt_len // self.page_size)
-        n_stream = self.streaming.sum(-1)
+        n_stream = self.streaming.sum(-1)[list(self.managed_layers)]
         settled = int(((self.num_kv_heads - n_stream) * pages + n_stream * self._kept_pages(pages)).sum())
-        return settled + int(n_stream.max()) * (pages - self._kept_pages(pages))
+        transient = int(n_stream.max()) * (pages - self._kept_pages(pages)) if n_stream.numel() else 0
+        return settled + transient + self.window_prefill_blocks(prompt_len)
 
     def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
         """Retrieval heads hold every page; streaming heads the sink pages, the local window and the partial page."""
-        pages = -(-(prompt_len + output_tokens - 1) // self.page_size)
+        tokens = prompt_len + output_tokens - 1
+        pages = -(-tokens // self.page_size)
         n_stream = int(self.streaming.sum())
-        return (self.num_layers * self.num_kv_heads - n_stream) * pages + n_stream * self._kept_pages(pages)
+        return ((self.num_managed * self.num_kv_heads - n_stream) * pages + n_stream * self._kept_pages(pages)
+                + self.window_blocks(tokens))
 
     def expected_blocks_slack(self) -> int:
-        return self.num_layers * self.num_kv_heads
+        return self.num_managed * self.num_kv_heads
 
     @classmethod
     def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
@@ -224,7 +230,8 @@ class LServe(Policy):
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
         stats.update(streaming_heads=int(self.streaming.sum()),
-                     retrieval_heads=int((~self.streaming).sum()), budget_tokens=self.budget)
+                     retrieval_heads=self.num_managed * self.num_kv_heads - int(self.streaming.sum()),
+                     budget_tokens=self.budget)
         return stats
 
 

@@ -33,7 +33,7 @@ class PyramidKV(SnapKV):
             raise ValueError(f"pyramidkv: beta must be >= 1, got {self.beta}")
 
     def layer_budgets(self, n: int) -> list[int] | None:
-        return alloc.pyramid_budgets(n, self.budget, self.window, self.num_layers, self.beta)
+        return alloc.pyramid_budgets(n, self.budget, self.window, self.num_managed, self.beta)
 
 
 POLICY = PyramidKV

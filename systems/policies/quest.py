@@ -97,7 +97,7 @@ class Quest(Policy):
         held = [-(-seq.seq_len // P) for seq in step.seqs]
         reads = [self.pages_for(seq.seq_len) for seq in step.seqs]
         # reading every page a sequence holds is dense attention, whichever rule chose it
-        dense = step.layer < self.skip_layers or reads == held
+        dense = self.layer_rank(step.layer) < self.skip_layers or reads == held   # the first managed layers
         per_query = not dense and self.granularity == "query_head" and self._group > 1
         for seq, n, k in zip(step.seqs, held, reads):
             if not per_query:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from systems.policies.base import KVView, SeqInfo
+from systems.policies.base import KVView, Policy, SeqInfo
 from systems.policy_support import allocation as alloc
 from systems.policy_support import indicators as ind
 from systems.policy_support.score_and_keep import ScoreAndKeep
@@ -43,17 +43,18 @@ class SnapKV(ScoreAndKeep):
         ind.check_choice("gqa_pool", self.gqa_pool, ind.GQA_POOLS)
 
     def layer_budgets(self, n: int) -> list[int] | None:
-        """Non-window tokens each layer keeps for a prompt of n tokens; None = no compression."""
+        """Non-window tokens each managed layer keeps for a prompt of n tokens (in layer order); None = no
+        compression."""
         if n < self.budget:
             return None
-        return alloc.uniform_budgets(self.budget - self.window, self.num_layers)
+        return alloc.uniform_budgets(self.budget - self.window, self.num_managed)
 
     def window_size(self) -> int:
         return self.window
 
     def prefill_budget(self, n: int, layer: int) -> int | None:
         budgets = self.layer_budgets(n)
-        return None if budgets is None else budgets[layer]
+        return None if budgets is None else budgets[self.layer_rank(layer)]
 
     def prefill_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         attn = ind.window_attention(q, k, self.window, kv.scale)
@@ -63,9 +64,9 @@ class SnapKV(ScoreAndKeep):
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         budgets = self.layer_budgets(prompt_len)
         if budgets is None:
-            return -(-prompt_len // self.page_size) * self.num_layers * self.num_kv_heads
+            return Policy.device_blocks_needed(self, prompt_len, max_new_tokens)
         return alloc.prefill_blocks_bound(prompt_len, [b + self.window for b in budgets], self.page_size,
-                                          self.num_kv_heads)
+                                          self.num_kv_heads) + self.window_prefill_blocks(prompt_len)
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         budgets = self.layer_budgets(seq.prefill_len)

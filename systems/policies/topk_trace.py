@@ -49,7 +49,7 @@ class TopKTrace(Policy):
         mass = self._outside_mass(kv, step) if self.attention_mass else None
         for b, seq in enumerate(step.seqs):
             live = self._live[seq.slot]
-            if layer == 0:
+            if layer == self.managed_layers[0]:       # a step's first traced layer (windowed ones are skipped)
                 live["sets"].append(torch.full((self.num_layers, self.num_kv_heads, self.top_k), selection.PAD,
                                                dtype=torch.int16))
                 live["pages"].append(int(num_pages[b, 0]))            # N_t: every page, the partial one too

@@ -79,7 +79,8 @@ class ScoreAndKeep(FixedBudget):
         if self.evicts_while_decoding():
             return super().expected_device_blocks(prompt_len, output_tokens)
         held = min(prompt_len, self.budget) + output_tokens - 1     # prefill-only: decode tokens are appended
-        return self.num_layers * self.num_kv_heads * -(-held // self.page_size)
+        return (self.num_managed * self.num_kv_heads * -(-held // self.page_size)
+                + self.window_blocks(prompt_len + output_tokens - 1))
 
     def bind(self, kv: KVView) -> None:
         super().bind(kv)

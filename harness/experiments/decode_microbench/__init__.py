@@ -16,10 +16,8 @@ from one run; a finished cell made by the same code and config is reused (delete
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -46,10 +44,13 @@ def model_dims(cfg: DictConfig, p: Params) -> dict[str, int]:
     """The attention shape: exp.params when all three are set (no model folder read), else the model's config."""
     if p.num_q_heads and p.num_kv_heads and p.head_dim:
         return {"num_q_heads": p.num_q_heads, "num_kv_heads": p.num_kv_heads, "head_dim": p.head_dim}
-    conf = json.loads((Path(resolve_model_dir(cfg.model.path)) / "config.json").read_text())
-    hq = conf["num_attention_heads"]
-    return {"num_q_heads": hq, "num_kv_heads": conf.get("num_key_value_heads", hq),
-            "head_dim": conf.get("head_dim") or conf["hidden_size"] // hq}
+    from systems.engine.models.spec import ModelSpec
+
+    try:        # through the spec: a multimodal checkpoint keeps its decoder's shape in a nested text_config
+        spec = ModelSpec.from_dir(resolve_model_dir(cfg.model.path))
+    except (ValueError, FileNotFoundError) as exc:
+        raise UserError(str(exc)) from None
+    return {"num_q_heads": spec.num_q_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
 
 
 def bench_systems(cells: list[GridCell], p: Params, num_layers: int, num_kv_heads: int) -> list[DictConfig]:

@@ -76,8 +76,10 @@ def save_profile(path: object, profile: dict) -> None:
 def profile(cfg: DictConfig, cell: GridCell, ws: Workspace, p: Params, store: CellStore) -> dict:
     """The traces of one task turned into FlexiCache's and LServe's profiles, written beside the cell."""
     traces = collect(cfg, cell, ws, p)
-    spec = ws.system(trace_system(cell, p)).engine.model.spec                    # type: ignore[attr-defined]
-    result = analyse(traces, p, spec.num_layers, spec.num_kv_heads)
+    engine = ws.system(trace_system(cell, p)).engine                              # type: ignore[attr-defined]
+    spec = engine.model.spec
+    # the layers the policies manage: on a hybrid model the full-attention ones (the trace skips windowed layers)
+    result = analyse(traces, p, spec.num_layers, spec.num_kv_heads, engine.policy.managed_layers)
     common = {"model": cfg.model.name, "task": cell.task.name, "num_layers": spec.num_layers,
               "num_kv_heads": spec.num_kv_heads, "page_size": int(cell.system.engine.page_size),
               "samples": result["samples"], "decode_steps": p.decode_steps, "made_by": command_line(cfg)}
