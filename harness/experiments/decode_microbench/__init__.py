@@ -46,7 +46,7 @@ def model_dims(cfg: DictConfig, p: Params) -> dict[str, int]:
     """The attention shape: exp.params when all three are set (no model folder read), else the model's config."""
     if p.num_q_heads and p.num_kv_heads and p.head_dim:
         return {"num_q_heads": p.num_q_heads, "num_kv_heads": p.num_kv_heads, "head_dim": p.head_dim}
-    conf = json.loads((Path(resolve_model_dir(cfg.model.path)) / "config.json").read_text())
+    conf = json.loads((Path(resolve_model_dir(cfg.model.path, cfg.model.name)) / "config.json").read_text())
     hq = conf["num_attention_heads"]
     return {"num_q_heads": hq, "num_kv_heads": conf.get("num_key_value_heads", hq),
             "head_dim": conf.get("head_dim") or conf["hidden_size"] // hq}
