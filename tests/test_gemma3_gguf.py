@@ -12,6 +12,7 @@ import torch
 
 from harness.integrations import assets
 from harness.integrations.gguf_gemma3 import GGUFError, hf_name
+from tasks.base import chat_prompt_ids
 
 LAYERS, HIDDEN, HEADS, HEAD_DIM, FFN = 6, 32, 2, 16, 64
 PIECES = ["▁hello", "▁world", "▁the", "▁a", "hello", "▁", "e", "l", "o", "h", "w", "r", "d", "t", "a"]
@@ -131,6 +132,8 @@ def test_conversion_writes_hf_weights_config_and_tokenizer(converted):
     assert ids[0] == 2 and tok.decode(ids, skip_special_tokens=True) == "hello world the"
     odd = "héllo wörld 7!"                     # characters outside the vocabulary fall back to bytes
     assert tok.decode(tok.encode(odd, add_special_tokens=False)) == odd
+    assert tok.chat_template is None                # the GGUF carries none: prompts are <bos> + raw text
+    assert chat_prompt_ids(tok, "hello world") == [2, *tok.encode("hello world", add_special_tokens=False)]
 
 
 def test_conversion_agrees_with_transformers_gguf_loader(converted):
