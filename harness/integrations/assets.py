@@ -165,7 +165,7 @@ def _convert_gemma3(out: Path, progress: bool) -> None:
     scratch.mkdir(parents=True)
     try:
         if progress:
-            print(f"prepare {model.name}: join, dequantize, verify (about a minute)", file=sys.stderr)
+            print(f"prepare {model.name}: join, dequantize, verify (a few minutes)", file=sys.stderr)
         convert(join_chunks(model, scratch / model.gguf_name), out)
     except GGUFError as exc:
         raise AssetError(f"{model.name}: {exc}") from None
