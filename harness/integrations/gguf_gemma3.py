@@ -6,8 +6,9 @@ GGUF's vocabulary. Two things differ from a naive copy:
 - llama.cpp stores every Gemma RMSNorm weight as (1 + w) so its plain `x * w` kernel fits; HF multiplies by (1 + w)
   itself, so 1 is subtracted here (transformers' own GGUF loader does the same);
 - the GGUF carries neither the local (sliding-layer) RoPE base, the layer pattern nor query_pre_attn_scalar; the
-  Gemma 3 values for the text-only sizes (10k, 5 sliding + 1 full, head_dim) are used, and a file whose metadata
-  contradicts them (a sliding-window pattern or local base written by newer converters) wins over them.
+  Gemma 3 values for the text-only sizes (10k, 5 sliding + 1 full, head_dim) are used unless the file states a
+  pattern or local base itself (keys some converters write). Gemma 3 4B+ (linear RoPE scaling, 27B's scalar of 168)
+  would need more than the metadata holds; the embedded model is the 270M.
 """
 from __future__ import annotations
 
