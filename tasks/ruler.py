@@ -17,7 +17,8 @@ Rules kept from NVIDIA/RULER (scripts/synthetic.yaml, scripts/data/synthetic/, s
 - tokens to generate: niah 128, vt 30, cwe 120, fwe 50, qa 32; greedy decoding, no stop strings;
 - the answer prefix opens the model's answer, after the prompt format's assistant opening (RULER appends it after
   its model wrapper); the prediction is what follows it. `chat_template` picks the format: `tokenizer` (the model's
-  own chat template, with whatever default system prompt it adds: SmolLM2's 21 tokens, Llama 3.1's date block),
+  own chat template, with whatever default system prompt it adds: SmolLM2's 21 tokens, Llama 3.1's date block;
+  a base model's tokenizer without one gets `none`),
   `plain` (RULER's hand-written wrapper for the model's chat format: one user turn and the assistant's opening, no
   system prompt; tasks.ruler_data.WRAPPERS) or `none` (RULER's `base`: no wrapper); true / false mean tokenizer /
   none. cwe's one-shot example is rendered whole before the task: under the tokenizer's template as its own user
@@ -197,6 +198,8 @@ class Ruler(Task):
 
     # ---- samples -----------------------------------------------------------------------------------------------
     def build_samples(self, tokenizer: Any) -> list[Sample]:
+        if self.prompt_format == "tokenizer" and not getattr(tokenizer, "chat_template", None):
+            self.prompt_format = "none"         # a base model (no chat template) is prompted as RULER's `base`
         if self.prompt_format == "plain":
             _, self._wrapper = gen.plain_wrapper(tokenizer)
         count = self._counter(tokenizer)

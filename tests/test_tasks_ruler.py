@@ -189,6 +189,27 @@ def test_plain_wrapper_has_no_system_prompt_and_none_is_rulers_base(tok):
     assert "<|im_start|>" not in base.prompt
 
 
+def test_a_base_model_tokenizer_gets_rulers_base_format(tokenizer_dir):
+    """A tokenizer without a chat template (an embedded base model such as Gemma-3-270M): the default `tokenizer`
+    format becomes RULER's `none`, and chat-style samples elsewhere render as BOS + plain paragraphs."""
+    from transformers import AutoTokenizer
+
+    from tasks.base import chat_prompt_ids
+    base = AutoTokenizer.from_pretrained(tokenizer_dir)
+    base.chat_template = None
+    bos = [base.bos_token_id] if base("a").input_ids[0] == base.bos_token_id else []   # SmolLM2 adds none
+    params = {"tasks": ["niah_single_1", "cwe"], "lengths": [1024], "num_samples": 1}
+    task = load_task("ruler", "ruler", params, seed=0)
+    samples = task.samples(base)
+    assert task.prompt_format == "none" and all(s.meta["prompt_format"] == "none" for s in samples)
+    none = load_task("ruler", "ruler", {**params, "chat_template": "none"}, seed=0).samples(base)
+    assert [s.prompt for s in samples] == [s.prompt for s in none]
+    for s, ids in zip(samples, render_all(samples, base, 9999, 9999)):
+        assert ids[:len(bos)] == bos and len(ids) == s.meta["prompt_tokens"]
+    ids = chat_prompt_ids(base, "Q?", "Be brief.", [("Hi", "Hello")])
+    assert ids == bos + base.encode("Be brief.\n\nHi\n\nHello\n\nQ?", add_special_tokens=False)
+
+
 def test_plain_wrapper_needs_a_known_chat_format():
     class Odd:
         chat_template = "{{ messages }}"

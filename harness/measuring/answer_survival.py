@@ -40,7 +40,7 @@ def layout(sample: Sample, tokenizer: Any, ids: list[int]) -> PromptLayout | Non
         return None
     prefix = tokenizer.encode(sample.answer_prefix, add_special_tokens=False) if sample.answer_prefix else []
     try:
-        if sample.chat_template:
+        if sample.chat_template and getattr(tokenizer, "chat_template", None):   # else: <bos> + raw text
             messages = ([{"role": "system", "content": sample.system_prompt}] if sample.system_prompt else [])
             for user, assistant in sample.turns:
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]

@@ -224,7 +224,8 @@ def check_one_system(cfg: DictConfig, system: DictConfig) -> Policy:
     """Every check of one system that needs no model weights; returns its policy, parsed once."""
     check_budget(system, cfg.model)
     policy = check_system(system)
-    model_folder = known_model_dir(cfg.model.path)      # dims without preparing: a missing model is checked later
+    # dims without preparing: a missing model is checked later
+    model_folder = known_model_dir(cfg.model.path, cfg.model.name)
     if model_folder is not None:
         check_dims(system, model_folder, cfg.model.max_model_len, policy)
     return policy

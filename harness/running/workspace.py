@@ -38,7 +38,7 @@ class Workspace:
     @property
     def model_dir(self) -> Path:
         if self._model_dir is None:
-            self._model_dir = Path(resolve_model_dir(self.cfg.model.path))
+            self._model_dir = Path(resolve_model_dir(self.cfg.model.path, self.cfg.model.name))
         return self._model_dir
 
     @property

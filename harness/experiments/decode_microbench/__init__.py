@@ -47,7 +47,7 @@ def model_dims(cfg: DictConfig, p: Params) -> dict[str, int]:
     from systems.engine.models.spec import ModelSpec
 
     try:        # through the spec: a multimodal checkpoint keeps its decoder's shape in a nested text_config
-        spec = ModelSpec.from_dir(resolve_model_dir(cfg.model.path))
+        spec = ModelSpec.from_dir(resolve_model_dir(cfg.model.path, cfg.model.name))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     return {"num_q_heads": spec.num_q_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}

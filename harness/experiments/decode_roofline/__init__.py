@@ -87,7 +87,7 @@ class DecodeRoofline(Experiment[Params]):
 
     def cells(self, run: Run[Params]) -> list[Cell]:
         p = run.params
-        model_dir = Path(resolve_model_dir(run.cfg.model.path))
+        model_dir = Path(resolve_model_dir(run.cfg.model.path, run.cfg.model.name))
         spec = ModelSpec.from_dir(model_dir)
         try:
             systems = roofline_systems(run, spec)

@@ -114,7 +114,7 @@ class DuoAttention(Experiment[Params]):
         metrics = run.stored(cell_key(run))
         if metrics is None:
             raise UserError(f"no trained gates under {run.out_dir}: run +exp=duo_attention first")
-        spec = ModelSpec.from_dir(resolve_model_dir(run.cfg.model.path))
+        spec = ModelSpec.from_dir(resolve_model_dir(run.cfg.model.path, run.cfg.model.name))
         profile = {"kind": POLICY, "model": run.cfg.model.name, "task": p["profile_task"],
                    "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_scores": metrics["gates"],
                    "proxy": "DuoAttention gates: per KV head, the learned weight of full over streaming attention "
