@@ -47,6 +47,9 @@ SECTIONS: dict[str, str | None] = {
     "online_sweep_memory": None,
 }
 EXTRA_LINKS = {"profile.md": "where the engine's time goes"}
+# The speed workloads the performance block leads with: per workload its ratio to vLLM (offline, online) and the
+# decode step's distance to the memory roofline, each quoted from its committed summary's glance
+PERFORMANCE = ("offline_throughput", "online_sweep", "online_sweep_memory", "decode_roofline")
 RESULTS_INTRO = ("Every number below is quoted from a committed `results/<exp>/summary.md` of a real run; each section "
                  "closes with the cost and machine class its summary records, and the summary with its command, git "
                  "sha and versions.")
@@ -94,6 +97,25 @@ def results_block(root: Path = ROOT) -> str:
     return "\n\n".join(p for p in parts if p)
 
 
+def performance_block(root: Path = ROOT) -> str:
+    """Per speed workload with a committed summary: its glance (ratio to vLLM, distance to the roofline), the machine
+    class it ran on and a link; the workloads not yet committed are named."""
+    parts, missing = [], []
+    for name in PERFORMANCE:
+        path = root / "results" / name / "summary.md"
+        if not path.exists():
+            missing.append(name)
+            continue
+        lines = path.read_text().splitlines()
+        machine = next((line.removeprefix("Machine class: ") for line in lines if line.startswith("Machine class: ")),
+                       "")
+        glance = "\n".join(glance_lines(lines)).removeprefix("**At a glance:** ")
+        parts.append(f"**`{name}`** ([summary](results/{name}/summary.md); {machine.rstrip('.')}): {glance}")
+    if missing:
+        parts.append("Not committed yet: " + ", ".join(f"`{n}`" for n in missing) + ".")
+    return "\n\n".join(parts)
+
+
 def quickstart_block(root: Path = ROOT) -> str:
     """The quickstart summary without its title, images and footer (the README has its own), its sections one heading
     level down, closed by the machine class, commit and path the numbers come from."""
@@ -129,6 +151,10 @@ def committed_root(into: Path, root: Path = ROOT) -> Path:
 
 
 def render(readme: str, root: Path = ROOT) -> str:
+    if "<!-- performance -->" in readme:          # optional: a README may quote the speed workloads apart
+        pattern = re.compile(r"(<!-- performance -->\n).*?(\n<!-- /performance -->)", re.S)
+        block = performance_block(root)
+        readme = pattern.sub(lambda m: m.group(1) + block + m.group(2), readme)
     for tag, block in (("quickstart", quickstart_block(root)), ("results", results_block(root))):
         pattern = re.compile(rf"(<!-- {tag} -->\n).*?(\n<!-- /{tag} -->)", re.S)
         if not pattern.search(readme):
@@ -153,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if new != old:
         path.write_text(new)
-        print("README.md: quickstart and results blocks rebuilt")
+        print("README.md: quickstart, performance and results blocks rebuilt")
     return 0
 
 
