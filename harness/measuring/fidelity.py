@@ -150,13 +150,14 @@ def gold_ids(tokenizer: Any, answers: Sequence[str], max_tokens: int = 256) -> l
 
 
 def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Sequence, prompts: Sequence[list[int]],
-              completions: Sequence[Completion], budgets: Sequence[int | None] | None = None) -> list[dict]:
-    """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed, each at
-    its sample's KV budget when the generation had one (`budgets`, per sample)."""
+              completions: Sequence[Completion], fields: Sequence[dict[str, Any]] | None = None) -> list[dict]:
+    """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed, each
+    with the GenerationRequest fields its sample's generation had (`fields`, per sample: its KV budget, its
+    context_len), so the policy acts on the prompt exactly as it did while generating."""
     out: list[dict] = [{} for _ in samples]
 
     def at_budget(reqs: list[GenerationRequest], index: Sequence[int]) -> list[GenerationRequest]:
-        return [dataclasses.replace(r, kv_budget=budgets[i]) for r, i in zip(reqs, index)] if budgets else reqs
+        return [dataclasses.replace(r, **fields[i]) for r, i in zip(reqs, index)] if fields else reqs
     if plan.role == "reference":
         for i, (s, c) in enumerate(zip(samples, completions)):
             if c.logprobs is not None:

@@ -11,9 +11,10 @@ decided by how requests happened to be batched. A kind subclasses `AccuracyExper
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, TypeVar
 
-from harness.experiments.accuracy import ratio
+from harness.experiments.accuracy import compression, ratio
 from harness.experiments.accuracy.cells import (
     ROW_FIELDS,
     AccuracyItem,
@@ -68,6 +69,8 @@ class AccuracyExperiment(Experiment[AP]):
     def check(self, run: Run[AP]) -> None:
         p = run.params
         ratio.check(p.compression_ratio, p.budget, p.budgets)
+        compression.check(p.compression)
+        compression.check_systems(p.compression, [c.system for c in run.grid])
         fidelity_settings(run.cfg)
 
     def damage(self, run: Run[AP], store: CellStore) -> Damage:
@@ -84,6 +87,10 @@ class AccuracyExperiment(Experiment[AP]):
 
     def cells(self, run: Run[AP]) -> list[Cell]:
         grid, labels = with_reference(run, self.grid(run), self.grid, self.system_defaults)
+        mode = run.params.compression
+        compression.check_systems(mode, [c.system for c in grid])        # the reference too
+        # a non-default mode names every cell, the reference's included: fidelity reads the reference of its mode
+        grid = [dataclasses.replace(c, key=c.key + compression.key_suffix(mode)) for c in grid]
         plans = fidelity_plans(run.cfg, grid, labels, run.params.reference, run.out_dir)
         r = run.params.compression_ratio
         # a ratio sets a budgeted policy's budget per sample: it names the cell's folder and config like a budget
@@ -102,6 +109,9 @@ class AccuracyExperiment(Experiment[AP]):
         r = run.params.compression_ratio
         if r is not None and ratio.applies(cell.item.grid.system, r):
             cell.item.budgets = ratio.sample_budgets(cell.item.grid.system, r, samples, prompts)
+        if run.params.compression != compression.DEFAULT:
+            cell.item.context_lens = compression.context_lens(run.params.compression, samples, prompts,
+                                                              run.workspace.tokenizer, run.cfg.model.max_input_tokens)
         if prompts:
             longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
             cell.fits = (len(prompts[longest]), samples[longest].max_new_tokens)
@@ -117,6 +127,8 @@ class AccuracyExperiment(Experiment[AP]):
                         lambda g: cell_config(run.cfg, g, r if ratio.applies(g.system, r) else None))
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
+        if compression.phrase(run.params.compression) not in run.notes:
+            run.notes.append(compression.phrase(run.params.compression))
         paths = self.write_summary(run, *found)
         samples = write_samples(run.out_dir, found[0], found[1], found[3])
         return {**paths, "samples": samples} if samples else paths

@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.experiments.accuracy import compression
 from harness.experiments.accuracy.params import FIDELITY_DEFAULTS
 from harness.measuring import answer_survival, fidelity
 from harness.running import cells as cells_on_disk
@@ -40,6 +41,7 @@ class AccuracyItem:
     plan: fidelity.FidelityPlan | None
     key: str | None = None
     budgets: dict[str, int] | None = None       # sample id -> KV budget (exp.params.compression_ratio)
+    context_lens: dict[str, int | None] | None = None   # sample id -> context_len (exp.params.compression)
 
     def keyed(self) -> GridCell:
         """The grid cell under the key its folder has."""
@@ -71,12 +73,15 @@ def fidelity_settings(cfg: DictConfig) -> dict | None:
 
 
 def cell_config(cfg: DictConfig, cell: GridCell, compression_ratio: float | None = None) -> DictConfig:
-    """The cell's resolved config plus its fidelity settings and the compression ratio that sets its budgets:
-    another setting reruns the cell."""
+    """The cell's resolved config plus its fidelity settings, the compression ratio that sets its budgets and a
+    non-default compression mode: another setting reruns the cell."""
     node = cell.resolved(cfg)
     node["fidelity"] = fidelity_settings(cfg)
     if compression_ratio is not None:
         node["compression_ratio"] = float(compression_ratio)
+    mode = (cfg.exp.get("params") or {}).get("compression") or compression.DEFAULT
+    if mode != compression.DEFAULT:
+        node["compression"] = str(mode)
     return node
 
 
@@ -132,16 +137,19 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
         for start in range(0, len(todo), batch):
             chunk = todo[start:start + batch]
             budgets = [item.budgets.get(s.id) for s, _ in chunk] if item.budgets else None
+            # what a forced pass of the sample must share with its generation: the budget and the compression mode
+            fields: list[dict[str, Any]] = [{"kv_budget": budgets[i] if budgets else None,
+                                             "context_len": (item.context_lens or {}).get(s.id)}
+                                            for i, (s, _) in enumerate(chunk)]
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
                                       stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
-                                      kv_budget=budgets[i] if budgets else None,
-                                      probe_positions=layouts[s.id] is not None)
+                                      probe_positions=layouts[s.id] is not None, **fields[i])
                     for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
             t1 = time.perf_counter()
             fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
-                                      completions, budgets) if plan else [{} for _ in chunk])
+                                      completions, fields) if plan else [{} for _ in chunk])
             t2 = time.perf_counter()
             gen_seconds += t1 - t0
             fid_seconds += t2 - t1
