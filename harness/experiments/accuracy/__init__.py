@@ -97,7 +97,8 @@ class AccuracyExperiment(Experiment[AP]):
         keys = [c.key + (f"__compression_ratio={r:g}" if ratio.applies(c.system, r) else "") for c in grid]
         return [Cell(key=key, config=cell_config(run.cfg, c, r if ratio.applies(c.system, r) else None),
                      label=f"{c.system.name} × {c.task.name}", system=c.system, policy=c.policy,
-                     first=plan is not None and plan.role == "reference", item=AccuracyItem(c, label, plan, key))
+                     first=plan is not None and plan.role == "reference",
+                     item=AccuracyItem(c, label, plan, key, compression=mode))
                 for c, key, label, plan in zip(grid, keys, labels, plans)]
 
     def plan_cell(self, run: Run[AP], cell: Cell, store: CellStore) -> int:
@@ -109,8 +110,8 @@ class AccuracyExperiment(Experiment[AP]):
         r = run.params.compression_ratio
         if r is not None and ratio.applies(cell.item.grid.system, r):
             cell.item.budgets = ratio.sample_budgets(cell.item.grid.system, r, samples, prompts)
-        if run.params.compression != compression.DEFAULT:
-            cell.item.context_lens = compression.context_lens(run.params.compression, samples, prompts,
+        if cell.item.compression != compression.DEFAULT:
+            cell.item.context_lens = compression.context_lens(cell.item.compression, samples, prompts,
                                                               run.workspace.tokenizer, run.cfg.model.max_input_tokens)
         if prompts:
             longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)

@@ -42,6 +42,8 @@ class AccuracyItem:
     key: str | None = None
     budgets: dict[str, int] | None = None       # sample id -> KV budget (exp.params.compression_ratio)
     context_lens: dict[str, int | None] | None = None   # sample id -> context_len (exp.params.compression)
+    compression: str = compression.DEFAULT      # the cell's compression mode (sets context_lens when planned)
+    shared_keys: dict[str, str] | None = None   # sample id -> shared_context: its questions read one context
 
     def keyed(self) -> GridCell:
         """The grid cell under the key its folder has."""
@@ -134,16 +136,18 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
         batch = grid.system.batch_size
         # samples whose gold answer sits in the context: the engine records what each head keeps of it
         layouts = {s.id: answer_survival.layout(s, ws.tokenizer, p) for s, p in todo}
-        for start in range(0, len(todo), batch):
-            chunk = todo[start:start + batch]
+        for chunk in chunks(todo, batch, item.shared_keys or {}):
             budgets = [item.budgets.get(s.id) for s, _ in chunk] if item.budgets else None
             # what a forced pass of the sample must share with its generation: the budget and the compression mode
             fields: list[dict[str, Any]] = [{"kv_budget": budgets[i] if budgets else None,
                                              "context_len": (item.context_lens or {}).get(s.id)}
                                             for i, (s, _) in enumerate(chunk)]
+            # the forced passes do not share: each equals its own query-agnostic run (what reading a shared
+            # context gives, token for token), so fidelity does not depend on which questions went together
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
                                       stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
-                                      probe_positions=layouts[s.id] is not None, **fields[i])
+                                      probe_positions=layouts[s.id] is not None,
+                                      shared_context=(item.shared_keys or {}).get(s.id), **fields[i])
                     for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
@@ -183,6 +187,22 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
             "fidelity_seconds": sum(r.get("fidelity_s", 0.0) for r in rows) if timed
             else previous.get("fidelity_seconds", 0.0) + fid_seconds,
             "memory": memory or previous.get("memory")}
+
+
+def chunks(todo: list[tuple[Any, list[int]]], batch: int, shared_keys: dict[str, str]
+           ) -> Iterable[list[tuple[Any, list[int]]]]:
+    """`todo` in chunks of `batch` samples, a context's questions (same shared key) never split across chunks: a
+    shared context lives while one of its readers runs, so readers submitted later would rebuild it."""
+    chunk: list[tuple[Any, list[int]]] = []
+    for i, (sample, prompt) in enumerate(todo):
+        chunk.append((sample, prompt))
+        key = shared_keys.get(sample.id)
+        follows = i + 1 < len(todo) and key is not None and shared_keys.get(todo[i + 1][0].id) == key
+        if len(chunk) >= batch and not follows:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 Found = tuple[list[Any], list[str], list[dict], dict[str, list[dict]]]
