@@ -179,6 +179,7 @@ def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Seque
                                               for i, ref in diverged], plan.steps), [i for i, _ in diverged])
             for (i, ref), c in zip(diverged, system.generate(reqs)):
                 out[i] = compare(ref["ids"], ref["logprobs"], c.argmax_ids, c.logprobs)
+                _count_reuse(out[i], c)
     if plan.gold:
         golds = [(i, g) for i, s in enumerate(samples) if (g := gold_ids(tokenizer, s.answers))]
         if golds:
@@ -186,7 +187,15 @@ def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Seque
                              [i for i, _ in golds])
             for (i, g), c in zip(golds, system.generate(reqs)):
                 out[i].update(gold_loglik=float(sum(c.token_logprobs)), gold_tokens=len(g))
+                _count_reuse(out[i], c)
     return out
+
+
+def _count_reuse(fields: dict, completion: Completion) -> None:
+    """`fid_reused_prefills`: the sample's forced passes that read a kept prefill (fields' shared_context) instead
+    of prefilling the prompt again."""
+    if (completion.kv_stats or {}).get("forked_prefix"):
+        fields["fid_reused_prefills"] = fields.get("fid_reused_prefills", 0) + 1
 
 
 def supports_forcing(system: object) -> bool:

@@ -144,17 +144,35 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
                                             for i, (s, _) in enumerate(chunk)]
             # the forced passes do not share: each equals its own query-agnostic run (what reading a shared
             # context gives, token for token), so fidelity does not depend on which questions went together
+            shared = {s.id: key for s, _ in chunk if (key := (item.shared_keys or {}).get(s.id))}
+            keeps = kept_prefills(system, plan, chunk, shared)
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
                                       stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
-                                      probe_positions=layouts[s.id] is not None,
-                                      shared_context=(item.shared_keys or {}).get(s.id), **fields[i])
+                                      probe_positions=layouts[s.id] is not None, shared_context=shared.get(s.id),
+                                      keep_prefill=keeps.get(s.id), **fields[i])
                     for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
             t1 = time.perf_counter()
-            fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
-                                      completions, fields) if plan else [{} for _ in chunk])
+            # a forced pass reads its generation's kept prefill (the prompt as the policy left it) instead of
+            # prefilling again; read as its generation's query-agnostic split, or whole
+            forced = [{**fields[i], "shared_context": keeps[s.id], "context_len": fields[i]["context_len"] or len(p)}
+                      if s.id in keeps else fields[i] for i, (s, p) in enumerate(chunk)]
+            try:
+                fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
+                                          completions, forced) if plan else [{} for _ in chunk])
+            finally:
+                release = getattr(system, "release_prefix", None)   # systems that keep prefixes (kept_prefills)
+                for key in keeps.values():
+                    if release is not None:
+                        release(key)
             t2 = time.perf_counter()
+            # what each reuse saved: the sample's share of its generation's prefill, estimated as the chunk's last
+            # first token (every prompt of the chunk prefilled by then) spread over the chunk's samples
+            prefill_share = max((c.ttft or 0.0 for c in completions), default=0.0) / len(chunk)
+            for f in fid:
+                if f.get("fid_reused_prefills"):
+                    f["fidelity_prefill_saved_s"] = f["fid_reused_prefills"] * prefill_share
             gen_seconds += t1 - t0
             fid_seconds += t2 - t1
             # each row carries its share of the chunk's time, so a cell resumed after a crash or the end of a
@@ -186,7 +204,19 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
             else previous.get("generation_seconds", 0.0) + gen_seconds,
             "fidelity_seconds": sum(r.get("fidelity_s", 0.0) for r in rows) if timed
             else previous.get("fidelity_seconds", 0.0) + fid_seconds,
+            # forced passes that read their generation's kept prefill, and the prefill time that saved (estimated)
+            "fidelity_prefills_reused": sum(r.get("fid_reused_prefills", 0) for r in rows),
+            "fidelity_prefill_saved_seconds": sum(r.get("fidelity_prefill_saved_s", 0.0) for r in rows),
             "memory": memory or previous.get("memory")}
+
+
+def kept_prefills(system: Any, plan: fidelity.FidelityPlan | None, chunk: list[tuple[Any, list[int]]],
+                  shared: dict[str, str]) -> dict[str, str]:
+    """{sample id: keep_prefill key} for the samples whose forced fidelity passes will read their generation's
+    prefill: with a fidelity plan, on a system that keeps prefixes, and not reading a shared context."""
+    if plan is None or not getattr(system, "supports_shared_context", False):
+        return {}
+    return {s.id: f"{s.id}#prefill" for s, _ in chunk if s.id not in shared}
 
 
 def chunks(todo: list[tuple[Any, list[int]]], batch: int, shared_keys: dict[str, str]
