@@ -21,7 +21,8 @@ def _predictions(folder, system, task, mode):
 def test_three_modes_side_by_side(tiny_llama_dir, tmp_path):
     # the random toy model scores about nothing: keep every unit (min_reference_score) so each estimate has its n
     _, md, rows, pngs = _run("shared_context", tiny_llama_dir, tmp_path, "exp.systems=[dense,snapkv]",
-                             "exp.params.budget=64", "exp.params.min_reference_score=-1", RULER,
+                             "exp.params.budget=64", "exp.params.min_reference_score=-1",
+                             "exp.params.fidelity={steps:4,gold:false}", RULER,
                              MRT.format(depths="[10,50]"))
     assert pngs == ["retention_by_mode.png"]
     by_mode = {(r["system"], r["mode"]): r for r in rows["retention_by_mode"]}
@@ -40,6 +41,8 @@ def test_three_modes_side_by_side(tiny_llama_dir, tmp_path):
         shared = _predictions(folder, "engine-snapkv", task, "shared")
         agnostic = _predictions(folder, "engine-snapkv", task, "query_agnostic")
         assert all(r["kv_stats"].get("shared_context") for r in shared.values())
+        # fidelity of every mode against dense query-aware
+        assert all(r["fid_steps"] == 4 for r in [*shared.values(), *agnostic.values()])
         assert all(r["kv_stats"]["compression"] == "query_agnostic" for r in agnostic.values())
         assert {i: r["prediction"] for i, r in shared.items()} == {i: r["prediction"] for i, r in agnostic.items()}
     # the context is held once per context in the shared mode, once per question in the independent ones
