@@ -65,6 +65,10 @@ class AccuracyExperiment(Experiment[AP]):
                       rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
         raise NotImplementedError
 
+    def compression_note(self, run: Run[AP]) -> str | None:
+        """The line the summary prints about the compression mode (a kind that runs several says so itself)."""
+        return compression.phrase(run.params.compression)
+
     # ---- the experiment interface ----------------------------------------------------------------------------------
     def check(self, run: Run[AP]) -> None:
         p = run.params
@@ -128,8 +132,9 @@ class AccuracyExperiment(Experiment[AP]):
                         lambda g: cell_config(run.cfg, g, r if ratio.applies(g.system, r) else None))
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
-        if compression.phrase(run.params.compression) not in run.notes:
-            run.notes.append(compression.phrase(run.params.compression))
+        note = self.compression_note(run)
+        if note and note not in run.notes:
+            run.notes.append(note)
         paths = self.write_summary(run, *found)
         samples = write_samples(run.out_dir, found[0], found[1], found[3])
         return {**paths, "samples": samples} if samples else paths

@@ -96,6 +96,9 @@ class SharedContext(AccuracyExperiment[Params]):
                 for s, p in zip(samples, prompts) if (s.meta or {}).get("context_id") is not None and lens.get(s.id)}
         return done
 
+    def compression_note(self, run: Run[Params]) -> str | None:
+        return None                 # every mode is named in the tables
+
     def write_summary(self, run: Run[Params], cells: list[Any], labels: list[str], metrics: list[dict],
                       rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
         return write_summary(run, cells, labels, metrics, rows_by_cell)
