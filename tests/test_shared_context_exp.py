@@ -68,3 +68,24 @@ def test_modes_are_checked_before_any_model_loads(tiny_llama_dir, tmp_path):
         _run("shared_context", tiny_llama_dir, tmp_path, "exp.systems=[dense]", "exp.params.modes=[shared,other]")
     with pytest.raises(UserError, match=r"\['hf'\] cannot compress"):
         _run("shared_context", tiny_llama_dir, tmp_path, "exp.systems=[dense,hf]")
+
+
+def test_chunks_never_split_a_context():
+    from types import SimpleNamespace
+
+    from harness.experiments.accuracy.cells import chunks
+    todo = [(SimpleNamespace(id=f"s{i}"), [i]) for i in range(7)]
+    keys = {"s0": "a", "s1": "a", "s2": "a", "s3": "b", "s4": "b", "s6": "c"}
+    got = [[s.id for s, _ in c] for c in chunks(todo, 2, keys)]
+    assert got == [["s0", "s1", "s2"], ["s3", "s4"], ["s5", "s6"]]
+    assert [[s.id for s, _ in c] for c in chunks(todo, 3, {})] == [["s0", "s1", "s2"], ["s3", "s4", "s5"], ["s6"]]
+
+
+def test_context_kv_counts_shared_pages_once():
+    from harness.experiments.shared_context.report import context_kv
+    kept = [[8, 8]]                                                 # one layer, two KV heads
+    shared = [{"id": f"q{i}", "context": "c", "kv_stats": {"kept_tokens": kept, "device_pages": 10,
+                                                           "shared_device_pages": 8}} for i in range(3)]
+    alone = [{"id": f"q{i}", "context": "c", "kv_stats": {"kept_tokens": kept, "device_pages": 10}} for i in range(3)]
+    # pages × page size ÷ (layers × heads): 8 shared + 3 × 2 own = 14 pages, or 3 × 10
+    assert context_kv(shared, 4).value == 14 * 4 / 2 and context_kv(alone, 4).value == 30 * 4 / 2
