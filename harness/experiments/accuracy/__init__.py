@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, TypeVar
 
+from omegaconf import DictConfig
+
 from harness.experiments.accuracy import compression, ratio
 from harness.experiments.accuracy.cells import (
     ROW_FIELDS,
@@ -65,6 +67,12 @@ class AccuracyExperiment(Experiment[AP]):
                       rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
         raise NotImplementedError
 
+    def cell_config(self, run: Run[AP], cell: GridCell) -> DictConfig:
+        """What a cell's config.yaml records (its folder is reused only with the same): the resolved config, the
+        fidelity settings, the compression ratio where it sets the cell's budgets, a non-default compression mode."""
+        r = run.params.compression_ratio
+        return cell_config(run.cfg, cell, r if ratio.applies(cell.system, r) else None)
+
     def compression_note(self, run: Run[AP]) -> str | None:
         """The line the summary prints about the compression mode (a kind that runs several says so itself)."""
         return compression.phrase(run.params.compression)
@@ -99,7 +107,7 @@ class AccuracyExperiment(Experiment[AP]):
         r = run.params.compression_ratio
         # a ratio sets a budgeted policy's budget per sample: it names the cell's folder and config like a budget
         keys = [c.key + (f"__compression_ratio={r:g}" if ratio.applies(c.system, r) else "") for c in grid]
-        return [Cell(key=key, config=cell_config(run.cfg, c, r if ratio.applies(c.system, r) else None),
+        return [Cell(key=key, config=self.cell_config(run, c),
                      label=f"{c.system.name} × {c.task.name}", system=c.system, policy=c.policy,
                      first=plan is not None and plan.role == "reference",
                      item=AccuracyItem(c, label, plan, key, compression=mode))
@@ -127,9 +135,8 @@ class AccuracyExperiment(Experiment[AP]):
 
     def report(self, run: Run[AP], cells: list[Cell]) -> dict[str, str]:
         mine = [c.item for c in cells if isinstance(c.item, AccuracyItem)]
-        r = run.params.compression_ratio
         found = collect(run, [i.keyed() for i in mine], [i.label for i in mine], self.label_of, self.report_params,
-                        lambda g: cell_config(run.cfg, g, r if ratio.applies(g.system, r) else None))
+                        lambda g: self.cell_config(run, g))
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
         note = self.compression_note(run)

@@ -21,6 +21,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from omegaconf import DictConfig
+
 from harness.experiments.accuracy import AccuracyExperiment, compression
 from harness.experiments.accuracy.cells import AccuracyItem, prompt_hash
 from harness.experiments.accuracy.params import AccuracyParams
@@ -28,6 +30,7 @@ from harness.experiments.shared_context.report import MODES, SEP, write_summary
 from harness.running.cells import StoredCell
 from harness.running.config import UserError
 from harness.running.experiment import Cell, Run
+from harness.running.grid import GridCell
 from harness.running.store import CellStore
 
 SHARED = "shared"
@@ -55,6 +58,14 @@ class SharedContext(AccuracyExperiment[Params]):
             raise UserError(f"exp.params.modes={p.modes!r}: a list of distinct modes from {list(MODES)}")
         compression.check_systems("query_agnostic", [c.system for c in run.grid])
 
+    def cell_config(self, run: Run[Params], cell: GridCell) -> DictConfig:
+        """The accuracy cell's config and its mode (read back from its key, which names any but the default)."""
+        node = super().cell_config(run, cell)
+        mode = cell.key.rpartition("__compression=")[2] if "__compression=" in cell.key else compression.DEFAULT
+        if mode != compression.DEFAULT:
+            node["compression"] = mode
+        return node
+
     def label_of(self, stored: StoredCell) -> str:
         return f"{stored.system.name}{SEP}{stored.config.get('compression') or compression.DEFAULT}"
 
@@ -74,14 +85,11 @@ class SharedContext(AccuracyExperiment[Params]):
                     plan = dataclasses.replace(plan, role="policy") if compression.DEFAULT in run.params.modes \
                         else None
                 key = base.key + key_suffix(mode)
-                config = base.config.copy()
-                if mode != compression.DEFAULT:
-                    config["compression"] = mode
                 new = AccuracyItem(item.grid, f"{item.label}{SEP}{mode}", plan, key, budgets=item.budgets,
                                    compression="query_agnostic" if mode == SHARED else mode)
                 out.append(dataclasses.replace(
-                    base, key=key, config=config, label=f"{base.label} [{mode}]", item=new,
-                    first=plan is not None and plan.role == "reference"))
+                    base, key=key, config=self.cell_config(run, new.keyed()), label=f"{base.label} [{mode}]",
+                    item=new, first=plan is not None and plan.role == "reference"))
         return out
 
     def plan_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> int:
