@@ -61,6 +61,8 @@ class Backend:
     name: ClassVar[str] = "base"
     runs_policies: ClassVar[bool] = False       # any KV policy; otherwise only a policy that keeps the full cache
     forced_decoding: ClassVar[bool] = False     # teacher forcing and next-token log-probs (harness fidelity)
+    # GenerationRequest.context_len / shared_context / keep_prefill (query-agnostic compression, shared contexts)
+    shared_context: ClassVar[bool] = False
     serves: ClassVar[bool] = False              # an OpenAI-compatible HTTP server (`serve`)
     core_binding: ClassVar[str | None] = None   # how `on_cores` binds it: torch threads, or a worker's core list
     kv_capacity: ClassVar[bool] = False         # a device pool the policy's footprint is checked against per request
@@ -149,6 +151,7 @@ class EngineBackend(Backend):
     name = "engine"
     runs_policies = True
     forced_decoding = True
+    shared_context = True
     serves = True
     core_binding = "torch threads (system.engine.threads)"
     kv_capacity = True

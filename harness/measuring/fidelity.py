@@ -150,13 +150,14 @@ def gold_ids(tokenizer: Any, answers: Sequence[str], max_tokens: int = 256) -> l
 
 
 def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Sequence, prompts: Sequence[list[int]],
-              completions: Sequence[Completion], budgets: Sequence[int | None] | None = None) -> list[dict]:
-    """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed, each at
-    its sample's KV budget when the generation had one (`budgets`, per sample)."""
+              completions: Sequence[Completion], fields: Sequence[dict[str, Any]] | None = None) -> list[dict]:
+    """Fidelity fields for one generated batch (one dict per sample, in order); forced passes where needed, each
+    with the GenerationRequest fields its sample's generation had (`fields`, per sample: its KV budget, its
+    context_len), so the policy acts on the prompt exactly as it did while generating."""
     out: list[dict] = [{} for _ in samples]
 
     def at_budget(reqs: list[GenerationRequest], index: Sequence[int]) -> list[GenerationRequest]:
-        return [dataclasses.replace(r, kv_budget=budgets[i]) for r, i in zip(reqs, index)] if budgets else reqs
+        return [dataclasses.replace(r, **fields[i]) for r, i in zip(reqs, index)] if fields else reqs
     if plan.role == "reference":
         for i, (s, c) in enumerate(zip(samples, completions)):
             if c.logprobs is not None:
@@ -178,6 +179,7 @@ def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Seque
                                               for i, ref in diverged], plan.steps), [i for i, _ in diverged])
             for (i, ref), c in zip(diverged, system.generate(reqs)):
                 out[i] = compare(ref["ids"], ref["logprobs"], c.argmax_ids, c.logprobs)
+                _count_reuse(out[i], c)
     if plan.gold:
         golds = [(i, g) for i, s in enumerate(samples) if (g := gold_ids(tokenizer, s.answers))]
         if golds:
@@ -185,7 +187,15 @@ def run_batch(plan: FidelityPlan, system: System, tokenizer: Any, samples: Seque
                              [i for i, _ in golds])
             for (i, g), c in zip(golds, system.generate(reqs)):
                 out[i].update(gold_loglik=float(sum(c.token_logprobs)), gold_tokens=len(g))
+                _count_reuse(out[i], c)
     return out
+
+
+def _count_reuse(fields: dict, completion: Completion) -> None:
+    """`fid_reused_prefills`: the sample's forced passes that read a kept prefill (fields' shared_context) instead
+    of prefilling the prompt again."""
+    if (completion.kv_stats or {}).get("forked_prefix"):
+        fields["fid_reused_prefills"] = fields.get("fid_reused_prefills", 0) + 1
 
 
 def supports_forcing(system: object) -> bool:

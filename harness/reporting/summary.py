@@ -79,8 +79,15 @@ class Summary:
         return self
 
     def budget_text(self) -> str:
-        """The run's KV budget in words: kvpress's ratio, a shared budget, a sweep's budgets, or none."""
+        """The run's KV budget in words: kvpress's ratio, a shared budget, a sweep's budgets, or none; and a
+        query-agnostic run says so (a figure of one mode must not pass for the other)."""
         params = self.cfg.exp.get("params") or {} if self.cfg.get("exp") is not None else {}
+        mode = params.get("compression")
+        return self._budget_words(params) + (f", {str(mode).replace('_', '-')}" if mode not in (None, "query_aware")
+                                             else "")
+
+    @staticmethod
+    def _budget_words(params: Any) -> str:
         if params.get("compression_ratio") is not None:
             return f"kvpress compression_ratio {float(params['compression_ratio']):g} (budget per sample)"
         if params.get("budget") is not None:

@@ -11,9 +11,12 @@ decided by how requests happened to be batched. A kind subclasses `AccuracyExper
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar, TypeVar
 
-from harness.experiments.accuracy import ratio
+from omegaconf import DictConfig
+
+from harness.experiments.accuracy import compression, ratio
 from harness.experiments.accuracy.cells import (
     ROW_FIELDS,
     AccuracyItem,
@@ -64,10 +67,22 @@ class AccuracyExperiment(Experiment[AP]):
                       rows_by_cell: dict[str, list[dict]]) -> dict[str, str]:
         raise NotImplementedError
 
+    def cell_config(self, run: Run[AP], cell: GridCell) -> DictConfig:
+        """What a cell's config.yaml records (its folder is reused only with the same): the resolved config, the
+        fidelity settings, the compression ratio where it sets the cell's budgets, a non-default compression mode."""
+        r = run.params.compression_ratio
+        return cell_config(run.cfg, cell, r if ratio.applies(cell.system, r) else None)
+
+    def compression_note(self, run: Run[AP]) -> str | None:
+        """The line the summary prints about the compression mode (a kind that runs several says so itself)."""
+        return compression.phrase(run.params.compression)
+
     # ---- the experiment interface ----------------------------------------------------------------------------------
     def check(self, run: Run[AP]) -> None:
         p = run.params
         ratio.check(p.compression_ratio, p.budget, p.budgets)
+        compression.check(p.compression)
+        compression.check_systems(p.compression, [c.system for c in run.grid])
         fidelity_settings(run.cfg)
 
     def damage(self, run: Run[AP], store: CellStore) -> Damage:
@@ -84,13 +99,18 @@ class AccuracyExperiment(Experiment[AP]):
 
     def cells(self, run: Run[AP]) -> list[Cell]:
         grid, labels = with_reference(run, self.grid(run), self.grid, self.system_defaults)
+        mode = run.params.compression
+        compression.check_systems(mode, [c.system for c in grid])        # the reference too
+        # a non-default mode names every cell, the reference's included: fidelity reads the reference of its mode
+        grid = [dataclasses.replace(c, key=c.key + compression.key_suffix(mode)) for c in grid]
         plans = fidelity_plans(run.cfg, grid, labels, run.params.reference, run.out_dir)
         r = run.params.compression_ratio
         # a ratio sets a budgeted policy's budget per sample: it names the cell's folder and config like a budget
         keys = [c.key + (f"__compression_ratio={r:g}" if ratio.applies(c.system, r) else "") for c in grid]
-        return [Cell(key=key, config=cell_config(run.cfg, c, r if ratio.applies(c.system, r) else None),
+        return [Cell(key=key, config=self.cell_config(run, c),
                      label=f"{c.system.name} × {c.task.name}", system=c.system, policy=c.policy,
-                     first=plan is not None and plan.role == "reference", item=AccuracyItem(c, label, plan, key))
+                     first=plan is not None and plan.role == "reference",
+                     item=AccuracyItem(c, label, plan, key, compression=mode))
                 for c, key, label, plan in zip(grid, keys, labels, plans)]
 
     def plan_cell(self, run: Run[AP], cell: Cell, store: CellStore) -> int:
@@ -102,6 +122,9 @@ class AccuracyExperiment(Experiment[AP]):
         r = run.params.compression_ratio
         if r is not None and ratio.applies(cell.item.grid.system, r):
             cell.item.budgets = ratio.sample_budgets(cell.item.grid.system, r, samples, prompts)
+        if cell.item.compression != compression.DEFAULT:
+            cell.item.context_lens = compression.context_lens(cell.item.compression, samples, prompts,
+                                                              run.workspace.tokenizer, run.cfg.model.max_input_tokens)
         if prompts:
             longest = max(range(len(prompts)), key=lambda i: len(prompts[i]) + samples[i].max_new_tokens)
             cell.fits = (len(prompts[longest]), samples[longest].max_new_tokens)
@@ -112,11 +135,13 @@ class AccuracyExperiment(Experiment[AP]):
 
     def report(self, run: Run[AP], cells: list[Cell]) -> dict[str, str]:
         mine = [c.item for c in cells if isinstance(c.item, AccuracyItem)]
-        r = run.params.compression_ratio
         found = collect(run, [i.keyed() for i in mine], [i.label for i in mine], self.label_of, self.report_params,
-                        lambda g: cell_config(run.cfg, g, r if ratio.applies(g.system, r) else None))
+                        lambda g: self.cell_config(run, g))
         if not found[0]:
             raise UserError(f"no finished cells of {run.cfg.exp.name} under {run.out_dir}: run the experiment first")
+        note = self.compression_note(run)
+        if note and note not in run.notes:
+            run.notes.append(note)
         paths = self.write_summary(run, *found)
         samples = write_samples(run.out_dir, found[0], found[1], found[3])
         return {**paths, "samples": samples} if samples else paths

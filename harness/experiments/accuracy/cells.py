@@ -17,6 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.experiments.accuracy import compression
 from harness.experiments.accuracy.params import FIDELITY_DEFAULTS
 from harness.measuring import answer_survival, fidelity
 from harness.running import cells as cells_on_disk
@@ -40,6 +41,9 @@ class AccuracyItem:
     plan: fidelity.FidelityPlan | None
     key: str | None = None
     budgets: dict[str, int] | None = None       # sample id -> KV budget (exp.params.compression_ratio)
+    context_lens: dict[str, int | None] | None = None   # sample id -> context_len (exp.params.compression)
+    compression: str = compression.DEFAULT      # the cell's compression mode (sets context_lens when planned)
+    shared_keys: dict[str, str] | None = None   # sample id -> shared_context: its questions read one context
 
     def keyed(self) -> GridCell:
         """The grid cell under the key its folder has."""
@@ -71,12 +75,15 @@ def fidelity_settings(cfg: DictConfig) -> dict | None:
 
 
 def cell_config(cfg: DictConfig, cell: GridCell, compression_ratio: float | None = None) -> DictConfig:
-    """The cell's resolved config plus its fidelity settings and the compression ratio that sets its budgets:
-    another setting reruns the cell."""
+    """The cell's resolved config plus its fidelity settings, the compression ratio that sets its budgets and a
+    non-default compression mode: another setting reruns the cell."""
     node = cell.resolved(cfg)
     node["fidelity"] = fidelity_settings(cfg)
     if compression_ratio is not None:
         node["compression_ratio"] = float(compression_ratio)
+    mode = (cfg.exp.get("params") or {}).get("compression") or compression.DEFAULT
+    if mode != compression.DEFAULT:
+        node["compression"] = str(mode)
     return node
 
 
@@ -129,20 +136,43 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
         batch = grid.system.batch_size
         # samples whose gold answer sits in the context: the engine records what each head keeps of it
         layouts = {s.id: answer_survival.layout(s, ws.tokenizer, p) for s, p in todo}
-        for start in range(0, len(todo), batch):
-            chunk = todo[start:start + batch]
+        for chunk in chunks(todo, batch, item.shared_keys or {}):
             budgets = [item.budgets.get(s.id) for s, _ in chunk] if item.budgets else None
+            # what a forced pass of the sample must share with its generation: the budget and the compression mode
+            fields: list[dict[str, Any]] = [{"kv_budget": budgets[i] if budgets else None,
+                                             "context_len": (item.context_lens or {}).get(s.id)}
+                                            for i, (s, _) in enumerate(chunk)]
+            # the forced passes do not share: each equals its own query-agnostic run (what reading a shared
+            # context gives, token for token), so fidelity does not depend on which questions went together
+            shared = {s.id: key for s, _ in chunk if (key := (item.shared_keys or {}).get(s.id))}
+            keeps = kept_prefills(system, plan, chunk, shared)
             reqs = [GenerationRequest(request_id=s.id, prompt_token_ids=p, max_new_tokens=s.max_new_tokens,
                                       stop=s.stop, seed=cfg.seed, logprob_steps=plan.steps if plan else 0,
-                                      kv_budget=budgets[i] if budgets else None,
-                                      probe_positions=layouts[s.id] is not None)
+                                      probe_positions=layouts[s.id] is not None, shared_context=shared.get(s.id),
+                                      keep_prefill=keeps.get(s.id), **fields[i])
                     for i, (s, p) in enumerate(chunk)]
             t0 = time.perf_counter()
             completions = system.generate(reqs)
             t1 = time.perf_counter()
-            fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
-                                      completions, budgets) if plan else [{} for _ in chunk])
+            # a forced pass reads its generation's kept prefill (the prompt as the policy left it) instead of
+            # prefilling again; read as its generation's query-agnostic split, or whole
+            forced = [{**fields[i], "shared_context": keeps[s.id], "context_len": fields[i]["context_len"] or len(p)}
+                      if s.id in keeps else fields[i] for i, (s, p) in enumerate(chunk)]
+            try:
+                fid = (fidelity.run_batch(plan, system, ws.tokenizer, [s for s, _ in chunk], [p for _, p in chunk],
+                                          completions, forced) if plan else [{} for _ in chunk])
+            finally:
+                release = getattr(system, "release_prefix", None)   # systems that keep prefixes (kept_prefills)
+                for key in keeps.values():
+                    if release is not None:
+                        release(key)
             t2 = time.perf_counter()
+            # what each reuse saved: the sample's share of its generation's prefill, estimated as the chunk's last
+            # first token (every prompt of the chunk prefilled by then) spread over the chunk's samples
+            prefill_share = max((c.ttft or 0.0 for c in completions), default=0.0) / len(chunk)
+            for f in fid:
+                if f.get("fid_reused_prefills"):
+                    f["fidelity_prefill_saved_s"] = f["fid_reused_prefills"] * prefill_share
             gen_seconds += t1 - t0
             fid_seconds += t2 - t1
             # each row carries its share of the chunk's time, so a cell resumed after a crash or the end of a
@@ -174,7 +204,35 @@ def run_accuracy_cell(run: Run[Any], item: AccuracyItem, store: CellStore) -> di
             else previous.get("generation_seconds", 0.0) + gen_seconds,
             "fidelity_seconds": sum(r.get("fidelity_s", 0.0) for r in rows) if timed
             else previous.get("fidelity_seconds", 0.0) + fid_seconds,
+            # forced passes that read their generation's kept prefill, and the prefill time that saved (estimated)
+            "fidelity_prefills_reused": sum(r.get("fid_reused_prefills", 0) for r in rows),
+            "fidelity_prefill_saved_seconds": sum(r.get("fidelity_prefill_saved_s", 0.0) for r in rows),
             "memory": memory or previous.get("memory")}
+
+
+def kept_prefills(system: Any, plan: fidelity.FidelityPlan | None, chunk: list[tuple[Any, list[int]]],
+                  shared: dict[str, str]) -> dict[str, str]:
+    """{sample id: keep_prefill key} for the samples whose forced fidelity passes will read their generation's
+    prefill: with a fidelity plan, on a system that keeps prefixes, and not reading a shared context."""
+    if plan is None or not getattr(system, "supports_shared_context", False):
+        return {}
+    return {s.id: f"{s.id}#prefill" for s, _ in chunk if s.id not in shared}
+
+
+def chunks(todo: list[tuple[Any, list[int]]], batch: int, shared_keys: dict[str, str]
+           ) -> Iterable[list[tuple[Any, list[int]]]]:
+    """`todo` in chunks of `batch` samples, a context's questions (same shared key) never split across chunks: a
+    shared context lives while one of its readers runs, so readers submitted later would rebuild it."""
+    chunk: list[tuple[Any, list[int]]] = []
+    for i, (sample, prompt) in enumerate(todo):
+        chunk.append((sample, prompt))
+        key = shared_keys.get(sample.id)
+        follows = i + 1 < len(todo) and key is not None and shared_keys.get(todo[i + 1][0].id) == key
+        if len(chunk) >= batch and not follows:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 Found = tuple[list[Any], list[str], list[dict], dict[str, list[dict]]]
