@@ -1,10 +1,17 @@
 """Shared fixtures: tiny random-weight models (with the embedded model's tokenizer) built in the tests."""
 from __future__ import annotations
 
+import sys
+
+import absl.logging
 import pytest
 import torch
 
 torch.set_num_threads(1)  # tiny models: threads only add contention on a shared 2-core machine
+# rouge-score imports absl, whose log handler keeps the sys.stderr of the moment it was made and closes it when
+# logging is reconfigured (Hydra does, in-process) unless it is the process's own: under pytest that is a test's
+# capture, and closing it loses every later test's output. Give it the process's own stderr.
+absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 
 @pytest.fixture(scope="session")
