@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from harness.experiments.decode_microbench.bench import bench_point
 from harness.experiments.decode_microbench.params import Params
+from harness.integrations.assets import MODEL_NAME
 from harness.integrations.assets import model_dir as resolve_model_dir
 from harness.reporting import plots
 from harness.reporting.summary import cell_envs
@@ -47,7 +48,7 @@ def model_dims(cfg: DictConfig, p: Params) -> dict[str, int]:
     from systems.engine.models.spec import ModelSpec
 
     try:        # through the spec: a multimodal checkpoint keeps its decoder's shape in a nested text_config
-        spec = ModelSpec.from_dir(resolve_model_dir(cfg.model.path, cfg.model.name))
+        spec = ModelSpec.from_dir(resolve_model_dir(cfg.model.path, cfg.model.get("name") or MODEL_NAME))
     except (ValueError, FileNotFoundError) as exc:
         raise UserError(str(exc)) from None
     return {"num_q_heads": spec.num_q_heads, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim}
