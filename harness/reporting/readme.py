@@ -35,6 +35,8 @@ SECTIONS: dict[str, str | None] = {
     "needlebench": "S-RT / M-RT / M-RS scores and length × depth heatmaps per system (CAKE F6)",
     "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (16 × (4000 in + 256 out))",
     "online_sweep": "TTFT / TPOT vs Poisson request rate over HTTP (FlexiCache F6)",
+    "decode_roofline": "the whole decode step of dense and every policy against the memory roofline, per batch and "
+                       "context",
     "decode_microbench": "per-layer decode latency, dense vs sparse and stability-aware vs naive (FlexiCache F7/F8)",
     "memory": "device-tier KV per request vs length with the analytic bound (FlexiCache F9) and CAKE prefill peak "
               "(CAKE F7)",

@@ -31,6 +31,7 @@ def weight_bytes(engine: Engine) -> int:
         t.numel() * t.element_size() for t in norms)
 
 
+@torch.inference_mode()         # as the engine's prefill: policy state made while decoding is an inference tensor
 def fill(engine: Engine, batch: int, context: int, total_steps: int, noise: float, gen: torch.Generator) -> None:
     """Slots 0..batch-1 hold `context` synthetic tokens in every layer, prepared by the policy as after a prefill."""
     kv, policy, spec = engine.kv, engine.policy, engine.model.spec
