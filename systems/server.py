@@ -2,18 +2,16 @@
 
     python -m systems.server --policy quest --params '{"budget": 512}' --port 8000   # 127.0.0.1 unless --host
 
-Routes: POST /v1/completions (also `logprobs`, `echo`: systems/openai_logprobs.py), POST /v1/chat/completions
-(`stream`, `stream_options.include_usage`, vLLM's `ignore_eos`), GET /v1/models, GET /health (JSON counters),
-GET /metrics (Prometheus text).
+Routes: POST /v1/completions (`logprobs`, `echo`: systems/openai_logprobs.py), POST /v1/chat/completions (`stream`,
+`stream_options.include_usage`, `ignore_eos`), GET /v1/models, GET /health (JSON), GET /metrics (Prometheus).
 
 One background thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and
 aborts from an inbox, steps while any request exists, and hands each step's new tokens to the request's asyncio
 queue. Every token becomes one SSE chunk, so a client's inter-chunk gaps are the engine's per-token gaps (what
 vLLM's bench measures as ITL); the chunk carrying the last token also carries `finish_reason`.
 
-Overload: the server holds at most max_num_seqs (running slots) + `max_queue` (waiting) requests; beyond that
-it answers 503 with Retry-After instead of growing memory. A client that disconnects (its handler is cancelled,
-or a write fails) has its sequence taken out of the scheduler, freeing its KV blocks, at the engine's next turn.
+Overload: at most max_num_seqs (running) + `max_queue` (waiting) requests, beyond that 503 with Retry-After. A
+client that disconnects has its sequence taken out of the scheduler, freeing its KV blocks, at the engine's next turn.
 
 One client's bad input costs no one else anything. Bad bodies get 400 with an OpenAI-style JSON error naming the
 field before the request reaches the engine (the engine checks the sampling values again at add_request); a failure
