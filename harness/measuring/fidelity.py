@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,7 @@ def _path(folder: Path, sample_id: str) -> Path:
 def save_reference(folder: Path, sample_id: str, token_ids: Sequence[int], logprobs: torch.Tensor) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     path = _path(folder, sample_id)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".tmp{os.getpid()}")  # two runs may write the same reference
     # exact, never rounded (see the module docstring); contiguous, so a slice does not drag its whole storage along
     torch.save({"id": sample_id, "ids": list(token_ids), "logprobs": logprobs.detach().cpu().contiguous().clone()},
                tmp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,7 +77,9 @@ def _save(fig: Any, path: Path, note: str | None = None) -> str:
         fig.text(0.5, lowest - 0.01, note, ha="center", va="top", fontsize=7, wrap=True, color="#333333")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.png")  # written whole, then renamed: readers never see half a PNG
+    # written whole under a name of this process, then renamed: readers never see half a PNG, and two runs that
+    # finish together (sharing a reference cell) never rename each other's file away
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     fig.savefig(tmp, dpi=120, bbox_inches="tight")  # tight: long tick labels and colourbars are never clipped
     tmp.replace(path)
     _pyplot().close(fig)

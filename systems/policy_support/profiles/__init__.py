@@ -8,6 +8,7 @@ rule: the task under evaluation is never served by a profile made on that same t
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ def save_profile(path: Path | str, profile: dict[str, Any], required: Sequence[s
         raise ValueError(f"{kind} profile lacks {missing}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # two profilers may finish together
     tmp.write_text(json.dumps(profile, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
     return path
