@@ -21,7 +21,8 @@ def _predictions(folder, system, task, mode):
 def test_three_modes_side_by_side(tiny_llama_dir, tmp_path):
     # the random toy model scores about nothing: keep every unit (min_reference_score) so each estimate has its n
     _, md, rows, pngs = _run("shared_context", tiny_llama_dir, tmp_path, "exp.systems=[dense,snapkv]",
-                             "exp.params.budget=64", "exp.params.min_reference_score=-1",
+                             "exp.tasks=[ruler,needlebench_mrt]", "exp.params.budget=64",
+                             "exp.params.min_reference_score=-1",
                              "exp.params.fidelity={steps:4,gold:false}", RULER,
                              MRT.format(depths="[10,50]"))
     assert pngs == ["retention_by_mode.png"]
