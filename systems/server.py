@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or Path(args.model).resolve().name
     system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype, policy=policy,
-                          name=f"engine-{args.policy}", max_model_len=args.max_model_len)
+                          name=f"engine-{args.policy}", max_model_len=args.max_model_len, model_name=name)
     server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after,
                           max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
