@@ -103,6 +103,9 @@ def run(cfg: DictConfig) -> list[dict]:
     """Run the experiment `cfg` names; returns each cell's stored metrics, in the experiment's order."""
     try:
         quiet_libraries(cfg.get("library_log_level", "error"))
+        from harness.running import models  # imported here: it drives its runs through this module
+        if models.has_models(cfg):
+            return models.run_models(cfg)
         experiment, context = prepare(cfg)
         check_writable(context.out_dir)
         return drive(experiment, context, tracker_for(cfg))
