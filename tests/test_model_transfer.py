@@ -48,7 +48,8 @@ def test_one_swapped_pair_gives_tau_two_thirds_and_one_supported_flip():
     assert tau.low == pytest.approx(4 / 6) and tau.high == pytest.approx(4 / 6)   # the gaps dwarf the noise
     flips = transfer.flips(["p0", "p1", "p2", "p3"], {"a": a, "b": b})
     assert [(f.a, f.b, f.supported) for f in flips] == [("p0", "p1", True)]
-    assert flips[0].difference["a"].value == pytest.approx(0.2) and flips[0].difference["b"].value == pytest.approx(-0.2)
+    diff = flips[0].difference
+    assert diff["a"].value == pytest.approx(0.2) and diff["b"].value == pytest.approx(-0.2)
     # retention is score ÷ reference on the same samples, with a percentile interval around it
     assert a.retention == pytest.approx([0.9, 0.7, 0.5, 0.3])
     est = transfer.estimate(a.retention[0], a.retention_draws[:, 0], a.n)

@@ -13,13 +13,13 @@ def summarize_from_disk(overrides: Sequence[str], same_code: bool = False) -> di
     from the same config a run would use; cells made by any code version are read, and the summary says which."""
     from harness.running import models
     from harness.running.config import compose
-    from harness.running.driver import prepare, summarize
+    from harness.running.driver import prepare, run_models, summarize
 
     cfg = compose(list(overrides))
     if models.has_models(cfg):          # each model's summary, then the one across models
         envinfo.REBUILDING = list(overrides)
         try:
-            models.run_models(cfg, same_code=same_code, execute=False)
+            run_models(cfg, same_code=same_code, execute=False)
             return {}
         finally:
             envinfo.REBUILDING = None

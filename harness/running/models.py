@@ -3,10 +3,10 @@
 `exp.models` lists models as conf/model names (`[smollm2, gemma3_270m]`: that file, with the run's model.dtype) or
 as mappings (the run's model with those fields replaced, e.g. `{name: tiny, path: /models/tiny}`). Each model is an
 ordinary run of the experiment in its own folder, `<results>/<exp>/<model name>/` (its cells, and its own summary),
-driven by the one driver loop; the experiment's `report_models` then writes the summary across models into
-`<results>/<exp>/`. A system whose policy has no profile made on a model (Policy.missing_profile) is left out on that
-model, and every summary says so with the command that makes the profile: the other systems still run, and a
-comparison across models covers the systems every model ran.
+driven by the one driver loop (harness.running.driver.run_models); the experiment's `report_models` then writes
+the summary across models into `<results>/<exp>/`. A system whose policy has no profile made on a model
+(Policy.missing_profile) is left out on that model, and every summary says so with the command that makes the
+profile: the other systems still run, and a comparison across models covers the systems every model ran.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness.running.config import UserError, load_group, plain
-from harness.running.experiment import Experiment, Run
+from harness.running.grid import system_config
 from harness.running.schema import ModelConfig
 from systems.policies import policy_class
 from systems.registry import backend_of
@@ -77,8 +77,6 @@ def model_runs(cfg: DictConfig) -> list[ModelRun]:
 
 def missing_profile(system_name: str, model: str) -> str | None:
     """Why a system cannot run on `model` for lack of a profile (its policy answers), or None."""
-    from harness.running.grid import system_config
-
     system = system_config(system_name)
     cls = policy_class(system.policy) if backend_of(system).runs_policies else None
     return cls.missing_profile(plain(system.params), model) if cls is not None else None
@@ -89,46 +87,3 @@ def left_out_note(runs: list[ModelRun]) -> str | None:
     parts = [f"{s} on {r.name} ({why})" for r in runs for s, why in r.left_out.items()]
     return ("Left out for lack of a profile made on that model (a profile is never borrowed from another model): "
             + "; ".join(parts) + ".") if parts else None
-
-
-def run_models(cfg: DictConfig, same_code: bool = True, execute: bool = True) -> list[dict]:
-    """Every model's run (`execute`: its cells run or resume, then its summary; else only its summary from disk),
-    then the experiment's report across models; returns every model's cell metrics, model after model."""
-    from harness.running import params as params_lib
-    from harness.running.config import check_paths, check_writable, pin_dtype
-    from harness.running.driver import drive, find_experiment, prepare, summarize
-    from harness.running.workspace import Workspace
-
-    pin_dtype(cfg)
-    out_dir = check_paths(cfg)
-    experiment = find_experiment(cfg.exp.kind)
-    if type(experiment).report_models is Experiment.report_models:
-        raise UserError(f"experiment kind {cfg.exp.kind!r} does not compare models: drop exp.models")
-    runs = model_runs(cfg)
-    note = left_out_note(runs)
-    prepared = [prepare(r.cfg, same_code)[1] for r in runs]     # every model checked before any runs
-    if execute:
-        check_writable(out_dir)
-    metrics: list[dict] = []
-    for run in prepared:
-        if note:
-            run.notes.append(note)
-        if execute:
-            metrics += drive(experiment, run)
-        else:
-            try:
-                summarize(experiment, run)
-            finally:
-                run.workspace.close()
-    try:
-        params: Any = params_lib.parse(cfg, experiment.params_type)
-    except params_lib.ParamsError as exc:
-        raise UserError(str(exc)) from None
-    across = Run(cfg, params, [], out_dir, Workspace(cfg), same_code, notes=[note] if note else [])
-    from harness.reporting.summary import print_paths
-
-    try:
-        print_paths(experiment.report_models(across, prepared))
-    finally:
-        across.workspace.close()
-    return metrics

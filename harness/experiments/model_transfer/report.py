@@ -6,7 +6,6 @@ from typing import Any
 
 from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.sections import cells_seconds
-from harness.experiments.budget_sweep import mean_score
 from harness.experiments.model_transfer import transfer
 from harness.experiments.model_transfer.transfer import ModelScores
 from harness.reporting import plots
@@ -29,6 +28,10 @@ def model_scores(data: AccuracyData, policies: list[str], reference: str) -> Mod
             units.append((np.asarray(values[:-1], dtype=float), np.asarray(values[-1], dtype=float),
                           np.asarray(chance, dtype=float)))
     return ModelScores(list(policies), units)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.2f}" if math.isfinite(value) else "—"
 
 
 def dense_vs_chance(data: AccuracyData, reference: str, margin: float) -> str:
@@ -80,7 +83,7 @@ def write(run: Run[Any], found: dict[str, Found]) -> dict[str, str]:
 
     order = {m: ranked(m) for m in models}
     bullets = [f"{m}: `{reference}` scores {dense_vs_chance(datas[m], reference, p.well_above_chance)}; retention "
-               "order " + " > ".join(f"{policies[i]} {draws[m].retention[i]:.2f}" for i in order[m]) for m in models]
+               "order " + " > ".join(f"{policies[i]} {_fmt(draws[m].retention[i])}" for i in order[m]) for m in models]
     bullets.append(f"flipped pairs (order on {a} reversed on {b}): {len(flips)} of "
                    f"{len(policies) * (len(policies) - 1) // 2}; with both models' paired 95 % intervals excluding 0: "
                    + (", ".join(f"{f.a} vs {f.b}" for f in supported) if supported else "none"))
@@ -89,8 +92,7 @@ def write(run: Run[Any], found: dict[str, Found]) -> dict[str, str]:
                    "order, 0 = unrelated, −1 = reversed).", bullets)
     summary.reasons(p.size_reason, p.budget_reason, p.budget)
     for m in models:
-        usable = datas[m].usable(reference)
-        ref_score = mean_score(datas[m], reference, usable) if usable else NAN
+        ref_score = transfer.estimate(draws[m].reference, draws[m].reference_draws, draws[m].n)
         summary.section(f"{m}: score and retention vs `{reference}` (95 % paired bootstrap intervals)").table(
             ["system", "score (0–100)", f"retention (÷ {reference})", "n"],
             [[reference, ref_score.fmt(1, with_n=False), "1", ref_score.n]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import stats
@@ -39,13 +39,16 @@ class ModelScores:
 
 @dataclass
 class Draws:
-    """One model's macro retention and mean score per policy: the point [P] and the bootstrap draws [B, P]."""
+    """One model's macro retention and mean score per policy: the point [P] and the bootstrap draws [B, P]; the
+    reference's mean score: the point and its draws [B]."""
 
     retention: np.ndarray
     retention_draws: np.ndarray
     score: np.ndarray
     score_draws: np.ndarray
     n: int
+    reference: float = math.nan
+    reference_draws: np.ndarray = field(default_factory=lambda: np.full(1, math.nan))
 
 
 @dataclass(frozen=True)
@@ -56,15 +59,17 @@ class Flip:
     supported: bool                       # each model's interval excludes 0
 
 
-def _stats(units: Sequence[Unit], idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Macro retention and mean score per policy for index draws idx[u] [B, n_u]: two [B, P] arrays."""
-    rets, scores = [], []
+def _stats(units: Sequence[Unit], idx: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Macro retention and mean score per policy for index draws idx[u] [B, n_u] (two [B, P] arrays), and the
+    reference's mean score [B] (means over units, unweighted)."""
+    rets, scores, refs = [], [], []
     for (p, r, c), i in zip(units, idx):
         pm, rm, cm = p[:, i].mean(-1), r[i].mean(-1), c[i].mean(-1)        # [P, B], [B], [B]
         with np.errstate(divide="ignore", invalid="ignore"):
             rets.append((pm - cm) / (rm - cm))
         scores.append(pm)
-    return np.mean(rets, 0).T, np.mean(scores, 0).T
+        refs.append(rm)
+    return np.mean(rets, 0).T, np.mean(scores, 0).T, np.mean(refs, 0)
 
 
 def draw(model: ModelScores, resamples: int = unc.N_RESAMPLES, seed: int = unc.SEED) -> Draws:
@@ -73,11 +78,12 @@ def draw(model: ModelScores, resamples: int = unc.N_RESAMPLES, seed: int = unc.S
     if not units:
         empty = np.full(len(model.policies), math.nan)
         return Draws(empty, empty[None, :], empty, empty[None, :], 0)
-    ret, score = _stats(units, [np.arange(u[1].size)[None, :] for u in units])
+    ret, score, ref = _stats(units, [np.arange(u[1].size)[None, :] for u in units])
     rng = np.random.default_rng(seed)
     idx = [rng.integers(0, u[1].size, size=(resamples, u[1].size)) for u in units]
-    ret_draws, score_draws = _stats(units, idx)
-    return Draws(ret[0], ret_draws, score[0], score_draws, int(sum(u[1].size for u in units)))
+    ret_draws, score_draws, ref_draws = _stats(units, idx)
+    return Draws(ret[0], ret_draws, score[0], score_draws, int(sum(u[1].size for u in units)), float(ref[0]),
+                 ref_draws)
 
 
 def _interval(values: np.ndarray) -> tuple[float, float]:
