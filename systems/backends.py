@@ -197,7 +197,7 @@ class EngineBackend(Backend):
         name = Path(settings.model_dir).name
         cmd = [sys.executable, "-m", "systems.server", "--model", str(settings.model_dir), "--served-model-name", name,
                "--policy", system_cfg.policy, "--params", plain_json(system_cfg.params), "--host", "127.0.0.1",
-               "--port", str(settings.port), "--dtype", settings.model.dtype,
+               "--model-name", str(settings.model.name), "--port", str(settings.port), "--dtype", settings.model.dtype,
                "--max-model-len", str(settings.model.max_model_len), "--max-queue", str(settings.max_queue),
                "--engine", json.dumps(engine.__dict__)]
         settings.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -104,12 +104,13 @@ TOY = ["model.dtype=float32", "model.max_input_tokens=1000", "model.max_model_le
 
 def test_model_transfer_end_to_end_on_two_tiny_models(tiny_llama_dir, tiny_qwen2_dir, tmp_path):
     models = f"[{{name:tiny-a,path:'{tiny_llama_dir}'}},{{name:tiny-b,path:'{tiny_qwen2_dir}'}}]"
+    overrides = [f"exp.models={models}", f"results_dir={tmp_path}", *TOY,
+                 "exp.systems=[dense,streaming,quest,flexicache]", "exp.tasks=[needlebench_srt]",
+                 "exp.params.budget=32",
+                 "exp.params.min_reference_score=-1", "exp.params.task_params.needlebench_srt="
+                 "{lengths:[300],depths:[50],repeats:3,max_new_tokens:4}"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "+exp=model_transfer", f"exp.models={models}", f"results_dir={tmp_path}", *TOY,
-            "exp.systems=[dense,streaming,quest,flexicache]", "exp.tasks=[needlebench_srt]", "exp.params.budget=32",
-            "exp.params.min_reference_score=-1", "exp.params.task_params.needlebench_srt="
-            "{lengths:[300],depths:[50],repeats:3,max_new_tokens:4}"])
+        cfg = compose(config_name="config", overrides=["+exp=model_transfer", *overrides])
     out = run(cfg)
     assert len(out) == 2 * 3                                   # flexicache has no profile of either tiny model
     folder = tmp_path / "model_transfer"
@@ -125,6 +126,11 @@ def test_model_transfer_end_to_end_on_two_tiny_models(tiny_llama_dir, tiny_qwen2
     assert {(r["model"], r["system"]) for r in rows} == {(m, s) for m in ("tiny-a", "tiny-b")
                                                          for s in ("engine-streaming", "engine-quest")}
     assert all(r["retention_n"] == "3" for r in rows)
+    # `python -m harness.report` rebuilds every model's summary and the one across models from disk
+    from harness.reporting.rebuild import summarize_from_disk
+    (folder / "summary.md").unlink()
+    summarize_from_disk(["+exp=model_transfer", *overrides])
+    assert (folder / "summary.md").read_text().startswith("# model_transfer")
     # a kind that does not compare models refuses exp.models in one line
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         bad = compose(config_name="config", overrides=["+exp=ruler", f"exp.models={models}",
