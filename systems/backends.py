@@ -89,7 +89,7 @@ class Backend:
 
     @classmethod
     def check_capacity(cls, system_cfg: Any, policy: Policy, model_dir: Path, dtype_bytes: int, prompt_len: int,
-                       max_new_tokens: int, max_model_len: int) -> None:
+                       max_new_tokens: int, max_model_len: int, model_name: str | None = None) -> None:
         """Fail before the model loads when one request of this size cannot fit (backends with a checked pool)."""
 
 
@@ -97,8 +97,10 @@ class DimsView:
     """The model's dimensions, each layer's sliding window and the engine's page size: what Policy.configure needs,
     before any tensor exists. Read through ModelSpec, so a multimodal checkpoint's nested text_config counts."""
 
-    def __init__(self, spec: ModelSpec, page_size: int, max_model_len: int):
+    def __init__(self, spec: ModelSpec, page_size: int, max_model_len: int, model_name: str | None = None):
         import torch
+
+        self.model_name = model_name
 
         self.page_size, self.num_layers = page_size, spec.num_layers
         self.num_q_heads, self.num_kv_heads, self.head_dim = spec.num_q_heads, spec.num_kv_heads, spec.head_dim
@@ -107,7 +109,7 @@ class DimsView:
         self.device, self.dtype, self.scale = torch.device("cpu"), torch.float32, spec.attn_scale
 
     @classmethod
-    def of(cls, model_dir: Path, page_size: int, max_model_len: int) -> DimsView:
+    def of(cls, model_dir: Path, page_size: int, max_model_len: int, model_name: str | None = None) -> DimsView:
         # imported here: torch and transformers load only when a model is read
         from systems.engine.models.spec import ModelSpec
 
@@ -115,7 +117,7 @@ class DimsView:
             spec = ModelSpec.from_dir(model_dir)
         except (ValueError, FileNotFoundError) as exc:
             raise SystemConfigError(str(exc)) from None
-        return cls(spec, page_size, max_model_len)
+        return cls(spec, page_size, max_model_len, model_name)
 
 
 def plain_json(node: Any) -> str:
@@ -164,7 +166,7 @@ class EngineBackend(Backend):
 
         return EngineSystem(str(model_dir), policy_name=system_cfg.policy, policy_params=dict(system_cfg.params),
                             engine=system_cfg.engine, dtype=model_cfg.dtype, name=system_cfg.name, device=device,
-                            max_model_len=model_cfg.max_model_len, policy=policy)
+                            max_model_len=model_cfg.max_model_len, policy=policy, model_name=model_cfg.name)
 
     @classmethod
     def on_cores(cls, system_cfg: Any, cores: list[int]) -> None:
@@ -172,9 +174,9 @@ class EngineBackend(Backend):
 
     @classmethod
     def check_capacity(cls, system_cfg: Any, policy: Policy, model_dir: Path, dtype_bytes: int, prompt_len: int,
-                       max_new_tokens: int, max_model_len: int) -> None:
+                       max_new_tokens: int, max_model_len: int, model_name: str | None = None) -> None:
         engine = engine_config(system_cfg)
-        view = DimsView.of(model_dir, engine.page_size, max_model_len)
+        view = DimsView.of(model_dir, engine.page_size, max_model_len, model_name)
         try:
             policy.configure(view)
         except ValueError as exc:
@@ -195,7 +197,7 @@ class EngineBackend(Backend):
         name = Path(settings.model_dir).name
         cmd = [sys.executable, "-m", "systems.server", "--model", str(settings.model_dir), "--served-model-name", name,
                "--policy", system_cfg.policy, "--params", plain_json(system_cfg.params), "--host", "127.0.0.1",
-               "--port", str(settings.port), "--dtype", settings.model.dtype,
+               "--model-name", str(settings.model.name), "--port", str(settings.port), "--dtype", settings.model.dtype,
                "--max-model-len", str(settings.model.max_model_len), "--max-queue", str(settings.max_queue),
                "--engine", json.dumps(engine.__dict__)]
         settings.log_path.parent.mkdir(parents=True, exist_ok=True)

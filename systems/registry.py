@@ -77,7 +77,8 @@ def check_system(system_cfg: Any) -> Policy:
     return policy
 
 
-def check_dims(system_cfg: Any, model_dir: Path, max_model_len: int, policy: Policy | None = None) -> None:
+def check_dims(system_cfg: Any, model_dir: Path, max_model_len: int, policy: Policy | None = None,
+               model_name: str | None = None) -> None:
     """The policy accepts the model's dimensions and the engine's page size (Policy.configure), checked before
     any model loads (backends that run policies)."""
     if not backend_of(system_cfg).runs_policies:
@@ -85,20 +86,21 @@ def check_dims(system_cfg: Any, model_dir: Path, max_model_len: int, policy: Pol
     engine = engine_config(system_cfg)
     policy = policy if policy is not None else parse_policy(system_cfg.policy, dict(system_cfg.params))
     try:
-        policy.configure(DimsView.of(model_dir, engine.page_size, max_model_len))
+        policy.configure(DimsView.of(model_dir, engine.page_size, max_model_len, model_name))
     except ValueError as exc:
         raise SystemConfigError(f"system {system_cfg.name!r}: {exc}") from None
 
 
 def check_capacity(system_cfg: Any, model_dir: Path, dtype_bytes: int, prompt_len: int, max_new_tokens: int,
-                   max_model_len: int, policy: Policy | None = None) -> None:
+                   max_model_len: int, policy: Policy | None = None, model_name: str | None = None) -> None:
     """Fail before the model loads when the system's device pool cannot hold even the longest single request, for
     every policy: each answers from the model's dimensions alone (Policy.configure, then device_blocks_needed)."""
     backend = backend_of(system_cfg)
     if not backend.kv_capacity:
         return
     policy = policy if policy is not None else parse_policy(system_cfg.policy, dict(system_cfg.params))
-    backend.check_capacity(system_cfg, policy, model_dir, dtype_bytes, prompt_len, max_new_tokens, max_model_len)
+    backend.check_capacity(system_cfg, policy, model_dir, dtype_bytes, prompt_len, max_new_tokens, max_model_len,
+                           model_name)
 
 
 def build_system(system_cfg: Any, model_dir: Path, model_cfg: Any, device: str | None = None,

@@ -325,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="local HF safetensors folder (`python -m harness.integrations.serve` gives the embedded one)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
+    p.add_argument("--model-name", help="the name the policy's profile is found by (default: the served name)")
     p.add_argument("--policy", default="dense", help="module name in systems/policies")
     p.add_argument("--params", default="{}", help="policy hyperparameters as JSON, e.g. '{\"budget\": 512}'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless you open it on purpose)")
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.served_model_name or Path(args.model).resolve().name
     system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype, policy=policy,
-                          name=f"engine-{args.policy}", max_model_len=args.max_model_len)
+                          name=f"engine-{args.policy}", max_model_len=args.max_model_len,
+                          model_name=args.model_name or name)
     server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after,
                           max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

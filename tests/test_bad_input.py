@@ -187,7 +187,7 @@ def test_every_system_file_validates(name, tmp_path):
     system = load_group("system", name, SystemConfig)
     check_budget(system, OmegaConf.structured(ModelConfig))
     check_system(system)
-    check_dims(system, tmp_path, 8192)
+    check_dims(system, tmp_path, 8192, model_name=ModelConfig.name)    # profiles are found by the model's name
 
 
 @pytest.mark.parametrize("name", _system_files())
@@ -203,7 +203,8 @@ def test_every_system_refuses_a_too_small_pool_before_loading(name, tmp_path):
         pytest.skip("a backend without a checked device pool (hf, vllm) sizes its own")
     system.engine.device_memory_gb = 1e-4
     with pytest.raises(SystemConfigError) as err:
-        check_capacity(system, tmp_path, 2, prompt_len=4000, max_new_tokens=16, max_model_len=8192)
+        check_capacity(system, tmp_path, 2, prompt_len=4000, max_new_tokens=16, max_model_len=8192,
+                       model_name="smollm2-135m-instruct")
     assert "\n" not in str(err.value) and "set engine.device_memory_gb >=" in str(err.value)
 
 

@@ -44,6 +44,8 @@ SECTIONS: dict[str, str | None] = {
                       "(F1, T1, T7)",
     "cake_ablation": "CAKE allocation × indicator and τ sweep (CAKE T2, T3, F8, F13)",
     "duo_attention": "DuoAttention-style gate training that picks LServe's streaming heads",
+    "model_transfer": "whether the policy ranking carries over from SmolLM2-135M to Gemma-3-270M (Kendall τ, flipped "
+                      "pairs)",
     "batch_invariance_cost": None,
     "loaded_host": None,
     "online_sweep_memory": None,

@@ -11,10 +11,19 @@ from harness.running import envinfo
 def summarize_from_disk(overrides: Sequence[str], same_code: bool = False) -> dict[str, str]:
     """Rebuild an experiment's summary from the cells in its results folder (nothing runs): the grid is resolved
     from the same config a run would use; cells made by any code version are read, and the summary says which."""
+    from harness.running import models
     from harness.running.config import compose
-    from harness.running.driver import prepare, summarize
+    from harness.running.driver import prepare, run_models, summarize
 
-    experiment, run = prepare(compose(list(overrides)), same_code=same_code)
+    cfg = compose(list(overrides))
+    if models.has_models(cfg):          # each model's summary, then the one across models
+        envinfo.REBUILDING = list(overrides)
+        try:
+            run_models(cfg, same_code=same_code, execute=False)
+            return {}
+        finally:
+            envinfo.REBUILDING = None
+    experiment, run = prepare(cfg, same_code=same_code)
     envinfo.REBUILDING = list(overrides)
     try:
         return summarize(experiment, run)

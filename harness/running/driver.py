@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from harness.integrations.tracking import Tracker, tracker_for
 from harness.reporting.summary import print_paths
 from harness.running import damage as damage_lib
+from harness.running import models
 from harness.running import params as params_lib
 from harness.running.config import (
     USER_ERRORS,
@@ -103,6 +104,8 @@ def run(cfg: DictConfig) -> list[dict]:
     """Run the experiment `cfg` names; returns each cell's stored metrics, in the experiment's order."""
     try:
         quiet_libraries(cfg.get("library_log_level", "error"))
+        if models.has_models(cfg):
+            return run_models(cfg)
         experiment, context = prepare(cfg)
         check_writable(context.out_dir)
         return drive(experiment, context, tracker_for(cfg))
@@ -164,6 +167,42 @@ def drive(experiment: Experiment[Any], run: Run[Any], tracker: Tracker | None = 
     if not sweep_job():
         summarize(experiment, run, cells, tracker)
     return [metrics[c.key] for c in cells]
+
+
+def run_models(cfg: DictConfig, same_code: bool = True, execute: bool = True) -> list[dict]:
+    """exp.models (harness.running.models): every model's run (`execute`: its cells run or resume, then its summary;
+    else only its summary from disk), then the experiment's report across models; returns every model's metrics."""
+    pin_dtype(cfg)
+    out_dir = check_paths(cfg)
+    experiment = find_experiment(cfg.exp.kind)
+    if type(experiment).report_models is Experiment.report_models:
+        raise UserError(f"experiment kind {cfg.exp.kind!r} does not compare models: drop exp.models")
+    runs = models.model_runs(cfg)
+    note = models.left_out_note(runs)
+    prepared = [prepare(r.cfg, same_code)[1] for r in runs]     # every model checked before any runs
+    if execute:
+        check_writable(out_dir)
+    metrics: list[dict] = []
+    for one in prepared:
+        if note:
+            one.notes.append(note)
+        if execute:
+            metrics += drive(experiment, one)
+            continue
+        try:
+            summarize(experiment, one)
+        finally:
+            one.workspace.close()
+    try:
+        params: Any = params_lib.parse(cfg, experiment.params_type)
+    except params_lib.ParamsError as exc:
+        raise UserError(str(exc)) from None
+    across = Run(cfg, params, [], out_dir, Workspace(cfg), same_code, notes=[note] if note else [])
+    try:
+        print_paths(experiment.report_models(across, prepared))
+    finally:
+        across.workspace.close()
+    return metrics
 
 
 @contextlib.contextmanager

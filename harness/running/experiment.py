@@ -9,11 +9,13 @@ and summarizes them, asking the experiment four things:
 - `run_cell(run, cell, store)`: the work of one cell, returning its metrics (rows go to `store` as they come);
 - `report(run, cells)`: the summary, built from what the cells stored on disk.
 
-Optional hooks: `check` (cheap validation before any work), `plan_cell` (finish a pending cell's plan, e.g. render
-its prompts, and say how much of it is on disk), `is_complete` (a cell whose completeness is not just its metrics),
-`damage` (what is wrong with a cell's files, beyond what every store checks; `row_fields` are the fields every row it
-stores has). `report_params` names the exp.params that only change how the summary is written: changing them reuses
-every finished cell and rebuilds the summary, and a finished cell counts for the summary whatever their value was.
+A kind that compares models implements `report_models` (the same grid on each model of exp.models, one summary
+across them). Optional hooks: `check` (cheap validation before any work), `plan_cell` (finish a pending cell's plan,
+e.g. render its prompts, and say how much of it is on disk), `is_complete` (a cell whose completeness is not just its
+metrics), `damage` (what is wrong with a cell's files, beyond what every store checks; `row_fields` are the fields
+every row it stores has). `report_params` names the exp.params that only change how the summary is written:
+changing them reuses every finished cell and rebuilds the summary, and a finished cell counts for the summary
+whatever their value was.
 """
 from __future__ import annotations
 
@@ -127,4 +129,9 @@ class Experiment(Generic[P]):
 
     def report(self, run: Run[P], cells: list[Cell]) -> dict[str, str]:
         """Write the summary from what the cells stored; returns the paths written (md, csv, PNGs)."""
+        raise NotImplementedError
+
+    def report_models(self, run: Run[P], runs: list[Run[P]]) -> dict[str, str]:
+        """With exp.models: the summary across models (into run.out_dir) from each model's run, once every model's
+        cells are on disk (harness.running.models). A kind that does not override it refuses exp.models."""
         raise NotImplementedError

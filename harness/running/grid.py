@@ -227,7 +227,7 @@ def check_one_system(cfg: DictConfig, system: DictConfig) -> Policy:
     # dims without preparing: a missing model is checked later
     model_folder = known_model_dir(cfg.model.path, cfg.model.name)
     if model_folder is not None:
-        check_dims(system, model_folder, cfg.model.max_model_len, policy)
+        check_dims(system, model_folder, cfg.model.max_model_len, policy, cfg.model.name)
     return policy
 
 

@@ -52,6 +52,9 @@ class ExpConfig:
     systems: list[str] = field(default_factory=list)   # conf/system names; empty = the `system` group choice
     tasks: list[str] = field(default_factory=list)     # conf/task names; empty = the `task` group choice
     params: dict[str, Any] = field(default_factory=dict)  # experiment-specific knobs
+    # the same grid on each model (conf/model names, or mappings of model fields), reported across them by a kind
+    # that compares models (harness.running.models); empty = the `model` group choice alone
+    models: list[Any] = field(default_factory=list)
 
 
 @dataclass

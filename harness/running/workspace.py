@@ -82,7 +82,7 @@ class Workspace:
         """Fail before any weights load when the system's device pool cannot hold one request of this size (every
         policy answers from the model's dimensions alone; backends without a checked pool pass)."""
         check_capacity(system_cfg, self.model_dir, dtype_bytes(self.cfg.model.dtype), prompt_len, new_tokens,
-                       self.cfg.model.max_model_len, policy)
+                       self.cfg.model.max_model_len, policy, self.cfg.model.name)
 
     def system(self, system_cfg: DictConfig, policy: Policy | None = None) -> System:
         """The live system of this config (the one already running when it is the same; the previous one is closed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -32,7 +33,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cfg = SimpleNamespace(page_size=16, device_memory_gb=args.device_memory_gb, host_memory_gb=8.0,
                           max_num_seqs=args.requests, max_num_batched_tokens=8192)
-    engine = Engine(args.model_dir, load_policy(args.policy, json.loads(args.params)), cfg, dtype=args.dtype)
+    # an embedded model's folder is named for it: its policy's profile is found by that name
+    engine = Engine(args.model_dir, load_policy(args.policy, json.loads(args.params)), cfg, dtype=args.dtype,
+                    model_name=Path(args.model_dir).resolve().name)
     g = torch.Generator().manual_seed(0)
     vocab = engine.model.spec.vocab_size
     requests = [GenerationRequest(str(i), torch.randint(100, vocab, (args.input,), generator=g).tolist(),

@@ -39,7 +39,7 @@ class Engine:
 
     def __init__(self, model_dir: str, policy: Policy, engine_cfg: Any, dtype: str = "auto",
                  device: str | None = None, max_model_len: int | None = None,
-                 is_eos: Callable[[int], bool] | None = None):
+                 is_eos: Callable[[int], bool] | None = None, model_name: str | None = None):
         self.config = cfg = EngineConfig.coerce(engine_cfg)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if cfg.threads and self.device.type == "cpu":
@@ -56,6 +56,7 @@ class Engine:
             max_model_len=self.max_model_len, device_memory_gb=cfg.device_memory_gb,
             host_memory_gb=cfg.host_memory_gb, dtype=self.dtype, device=self.device, ops=self.ops,
             scale=spec.attn_scale, layer_windows=spec.layer_windows)
+        self.kv.model_name = model_name      # what the policy keys its profile by (KVDims.model_name)
         self.policy = policy
         policy.bind(self.kv)
         self.kv.set_released_windows(policy.left_windows)

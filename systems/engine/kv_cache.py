@@ -41,6 +41,7 @@ class TieredKVCache(TierCopies, WindowRelease):
         self.num_layers, self.num_q_heads, self.num_kv_heads = num_layers, num_q_heads, num_kv_heads
         self.head_dim, self.page_size, self.dtype, self.device = head_dim, page_size, dtype, torch.device(device)
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.model_name: str | None = None   # the engine sets it: what a policy keys its profile by
         self.max_pages = -(-max_model_len // page_size)
         self.ops = ops or load_ops(self.device)
         elem = torch.empty((), dtype=dtype).element_size()

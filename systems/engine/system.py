@@ -19,16 +19,18 @@ class EngineSystem:
 
     def __init__(self, model_dir: str, policy_name: str, policy_params: dict | None, engine: Any,
                  dtype: str = "auto", name: str = "engine-dense", device: str | None = None,
-                 max_model_len: int | None = None, policy: Policy | None = None):
+                 max_model_len: int | None = None, policy: Policy | None = None, model_name: str | None = None):
         """`policy`: the policy already parsed from `policy_name` / `policy_params` (the harness parses a config
-        once and hands the object down); None parses them here. Bad params fail before the model loads."""
+        once and hands the object down); None parses them here. Bad params fail before the model loads. `model_name`:
+        the model's name its policy's profiles are keyed by (None: unknown, a profile is then taken as given)."""
         policy = policy if policy is not None else load_policy(policy_name, policy_params)
         from transformers import AutoTokenizer
 
         self.name = name
         self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.engine = Engine(model_dir, policy, engine, dtype=dtype, device=device, max_model_len=max_model_len)
+        self.engine = Engine(model_dir, policy, engine, dtype=dtype, device=device, max_model_len=max_model_len,
+                             model_name=model_name)
         eos = set(self.engine.model.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

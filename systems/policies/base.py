@@ -87,6 +87,9 @@ class KVDims(Protocol):
     dtype: torch.dtype
     scale: float                        # softmax scale of the model's attention (1/sqrt(head_dim))
     layer_windows: tuple[int | None, ...]   # each layer's sliding window, None for full attention
+    # the model's name as its runner knows it (the harness: model.name), or None: a profile made on another model is
+    # refused by it; read with getattr, as dims made outside the engine and the harness may not carry it
+    model_name: str | None
 
 
 class KVView(KVDims, Protocol):
@@ -233,6 +236,12 @@ class Policy:
     def with_heldout_task(cls, params: dict[str, Any], task: str) -> dict[str, Any]:
         """`params` for evaluating `task`: a policy profiled on tasks holds the evaluated one out of its profile."""
         return dict(params)
+
+    @classmethod
+    def missing_profile(cls, params: dict[str, Any], model: str) -> str | None:
+        """Why this policy cannot run on `model` (a model.name) for lack of a profile made on it, naming the command
+        that makes one; None when it needs none or has one."""
+        return None
 
     @classmethod
     def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:

@@ -36,10 +36,11 @@ from systems.policy_support import profiles, selection
 class FlexiCache(Policy):
     budget: int = 1024                # tokens of a stable head's device top-K, K = budget // engine.page_size (64)
     rerank_interval: int = 16         # R (--rerank-frequency 16); unstable heads rerank every step
-    profile_model: str = "smollm2-135m-instruct"
+    profile_model: str | None = None  # the model whose profile it reads; None: the model being run (dims.model_name)
     profile_tasks: list = field(default_factory=lambda: ["needlebench_mrt", "needlebench_srt"])  # preference
     heldout_task: str | None = None   # the evaluated task; leave-one-out skips its own profile (official rule)
-    profile: str | None = None        # explicit profile file (overrides profile_model / profile_tasks)
+    profile: str | None = None        # explicit profile file (overrides profile_model / profile_tasks); it must have
+                                      # been made on the model being run
     unstable_heads: list | None = None  # explicit [[layer, head], ...] (overrides any profile)
     naive: bool = False               # rerank every head every step
 
@@ -65,9 +66,27 @@ class FlexiCache(Policy):
         if self.unstable_heads is not None:
             self.unstable_heads = [[int(x) for x in pair] for pair in self.unstable_heads]
             self._profile_path = None
-        else:                                                         # a missing profile fails before any model load
-            self._profile_path = self.profile or profiles.find_profile(
-                "flexicache", self.profile_model, self.profile_tasks, self.heldout_task)
+        elif self.profile or self.profile_model:                      # a missing profile fails before any model load
+            self._profile_path = self.profile or self._find(self.profile_model)
+        else:                                       # the model being run: looked up in configure, which the harness
+            self._profile_path = None               # calls on the model's dims before any weights load
+
+    def _find(self, model: str | None) -> str:
+        if model is None:
+            raise ValueError("flexicache: the model being run has no name to find its profile by; set "
+                             "params.profile_model or params.profile")
+        return str(profiles.find_profile("flexicache", model, self.profile_tasks, self.heldout_task,
+                                         profiler=self.profiler))
+
+    @classmethod
+    def missing_profile(cls, params: dict[str, Any], model: str) -> str | None:
+        if params.get("unstable_heads") is not None or params.get("profile"):
+            return None
+        try:
+            cls.from_params({**params, "profile_model": params.get("profile_model") or model})
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     @property
     def top_k(self) -> int:
@@ -105,9 +124,10 @@ class FlexiCache(Policy):
     def _unstable_list(self, kv: KVDims) -> tuple[list[tuple[int, int]], str]:
         if self.unstable_heads is not None:
             return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
-        path = self._profile_path
-        assert path is not None                    # set whenever unstable_heads is not given
+        model = getattr(kv, "model_name", None)
+        path = self._profile_path or self._find(model)
         prof = profiles.load_profile(path, "flexicache", self.profile_schema)
+        profiles.check_model(prof, path, model, str(self.profiler))
         if (prof["num_layers"], prof["num_kv_heads"]) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"flexicache profile {path} is for {prof['num_layers']} layers x {prof['num_kv_heads']} "
                              f"KV heads, the model has {kv.num_layers} x {kv.num_kv_heads}; profile this model")

@@ -36,9 +36,10 @@ class LServe(Policy):
     local_tokens: int = 256         # --dec-local-token
     reuse_interval: int = 4         # selector_update_interval
     sparsity: float = 0.5           # --static-sparsity: share of KV heads that stream
-    profile_model: str = "smollm2-135m-instruct"
+    profile_model: str | None = None    # the model whose profile it reads; None: the model being run (dims.model_name)
     profile_task: str = "duo_attention"     # learned gates (+exp=duo_attention) | a head_stability task (the proxy)
-    profile: str | None = None      # explicit profile file (overrides profile_model / profile_task)
+    profile: str | None = None      # explicit profile file (overrides profile_model / profile_task); it must have
+                                    # been made on the model being run
     streaming_heads: list | None = None   # explicit [[layer, head], ...] (overrides any profile)
     granularity: str = "query_head"       # query_head (omniserve's per-(batch, query head) selector) | kv_head
 
@@ -61,10 +62,39 @@ class LServe(Policy):
                              f"{self.reuse_interval}")
         if self.streaming_heads is not None:
             self.streaming_heads = [[int(x) for x in pair] for pair in self.streaming_heads]
-        elif not Path(self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)).is_file():
-            raise ValueError(f"lserve: no profile of {self.profile_model!r} on {self.profile_task!r} "
-                             f"({self.profile or 'shipped'}); run `python -m harness +exp={self.profiler} "
-                             f"exp.params.ship=true` or set params.streaming_heads")
+        elif self.profile or self.profile_model:        # a missing profile fails before any model load
+            self._path(self.profile_model)
+
+    @property
+    def _maker(self) -> str:
+        """The experiment that makes its profile: learned gates, or head_stability's attention-mass proxy."""
+        return str(self.profiler) if self.profile_task == "duo_attention" else "head_stability"
+
+    def _path(self, model: str | None) -> str:
+        """The profile file: params.profile, else the shipped one of `model` on profile_task (it must exist)."""
+        if self.profile:
+            if not Path(self.profile).is_file():
+                raise ValueError(f"lserve: no profile at {self.profile}; pass an existing file")
+            return self.profile
+        if model is None:
+            raise ValueError("lserve: the model being run has no name to find its profile by; set "
+                             "params.profile_model or params.profile")
+        path = profiles.profile_path("lserve", model, self.profile_task)
+        if not path.is_file():
+            make = profiles.make_command(self._maker, model)
+            raise ValueError(f"lserve: no profile of {model!r} on {self.profile_task!r} (shipped); make one with "
+                             f"`{make}`, or set params.streaming_heads")
+        return str(path)
+
+    @classmethod
+    def missing_profile(cls, params: dict[str, Any], model: str) -> str | None:
+        if params.get("streaming_heads") is not None or params.get("profile"):
+            return None
+        try:
+            cls.from_params({**params, "profile_model": params.get("profile_model") or model})
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def configure(self, dims: KVDims) -> None:
@@ -96,8 +126,10 @@ class LServe(Policy):
     def _streaming_list(self, kv: KVDims) -> list[tuple[int, int]]:
         if self.streaming_heads is not None:
             return profiles.head_list(self.streaming_heads, kv.num_layers, kv.num_kv_heads, "lserve")
-        path = self.profile or profiles.profile_path("lserve", self.profile_model, self.profile_task)
+        model = getattr(kv, "model_name", None)
+        path = self._path(self.profile_model or model)
         prof = profiles.load_profile(path, "lserve", self.profile_schema)
+        profiles.check_model(prof, path, model, self._maker)
         scores = torch.tensor(prof["head_scores"], dtype=torch.float64)
         if tuple(scores.shape) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"lserve profile {path} scores {tuple(scores.shape)} heads, the model has "

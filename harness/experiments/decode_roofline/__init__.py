@@ -70,7 +70,8 @@ def build_engine(run: Run[Params], system: DictConfig, model_dir: Path, spec: Mo
     engine_cfg = {**plain(system.engine), "device_memory_gb": gb, "host_memory_gb": gb,
                   "max_num_seqs": max(p.batch_sizes)}
     policy = load_policy(system.policy, plain(system.params))
-    return Engine(str(model_dir), policy, engine_cfg, dtype=run.cfg.model.dtype, max_model_len=tokens)
+    return Engine(str(model_dir), policy, engine_cfg, dtype=run.cfg.model.dtype, max_model_len=tokens,
+                  model_name=run.cfg.model.name)
 
 
 class DecodeRoofline(Experiment[Params]):

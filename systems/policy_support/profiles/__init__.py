@@ -3,7 +3,9 @@
 A profile is one small JSON file named `<kind>__<model>__<task>.json` in this folder (shipped with the package) or
 anywhere on disk (pass a path); `kind` is the name of the policy it serves, and the keys it must hold are that
 policy's `profile_schema` (passed in by whoever reads or writes it). `find_profile` applies FlexiCache's leave-one-out
-rule: the task under evaluation is never served by a profile made on that same task.
+rule: the task under evaluation is never served by a profile made on that same task. A profile serves the model it
+was made on only (its `model` key, the run's `model.name`): `check_model` refuses any other, and every refusal names
+the command that makes one for the model being run (`make_command`).
 """
 from __future__ import annotations
 
@@ -18,6 +20,18 @@ PROFILE_DIR = Path(__file__).resolve().parent
 
 def profile_path(kind: str, model: str, task: str, folder: Path | str = PROFILE_DIR) -> Path:
     return Path(folder) / f"{kind}__{model}__{task}.json"
+
+
+def make_command(profiler: str, model: str) -> str:
+    """The command that makes (and ships) a `profiler` profile of `model` (the run's model.name)."""
+    return f"python -m harness +exp={profiler} exp.params.ship=true model.name={model}"
+
+
+def check_model(profile: dict[str, Any], path: Path | str, model: str | None, profiler: str) -> None:
+    """Refuse a profile made on another model than `model` (None: the model is not known, nothing to compare)."""
+    if model is not None and profile.get("model") != model:
+        raise ValueError(f"{profile.get('kind')} profile {path} was made on model {profile.get('model')!r}, this run's "
+                         f"model is {model!r}; make one with `{make_command(profiler, model)}`")
 
 
 def save_profile(path: Path | str, profile: dict[str, Any], required: Sequence[str] = ()) -> Path:
@@ -52,7 +66,7 @@ def load_profile(path: Path | str, kind: str, required: Sequence[str] = ()) -> d
 
 
 def find_profile(kind: str, model: str, tasks: Sequence[str], heldout_task: str | None = None,
-                 folder: Path | str = PROFILE_DIR) -> Path:
+                 folder: Path | str = PROFILE_DIR, profiler: str | None = None) -> Path:
     """The first profile of `model` among `tasks` (preference order) that was not made on heldout_task or a variant
     of it (one name extends the other after '_', e.g. needlebench_srt and needlebench_srt_quick)."""
     allowed = [t for t in tasks if not (heldout_task and same_task(t, heldout_task))]
@@ -61,8 +75,9 @@ def find_profile(kind: str, model: str, tasks: Sequence[str], heldout_task: str 
         if path.is_file():
             return path
     shipped = sorted(p.name for p in Path(folder).glob(f"{kind}__{model}__*.json"))
+    make = f"make one with `{make_command(profiler, model)}`, or " if profiler else ""
     raise ValueError(f"no {kind} profile of model {model!r} for tasks {allowed} (held-out task {heldout_task!r}); "
-                     f"shipped: {shipped or 'none'}; set params.profile_tasks or params.profile")
+                     f"shipped: {shipped or 'none'}; {make}set params.profile_tasks or params.profile")
 
 
 def same_task(a: str, b: str) -> bool:
