@@ -46,6 +46,7 @@ inline attn_vf attn_fma(attn_vf a, attn_vf b, attn_vf c) {  // a * b + c, rounde
 }
 
 inline attn_vf attn_splat(float x) { return attn_vf{x, x, x, x, x, x, x, x}; }
+constexpr attn_vf kLaneIndex = {0, 1, 2, 3, 4, 5, 6, 7};
 
 // exp_clamped (cpu_common.h) op for op on 8 lanes, here so that it inlines with this file's options.
 inline attn_vf attn_exp(attn_vf x) {
@@ -195,9 +196,9 @@ void attend_split(const attn_vf* q, int G, const T* k_pool, const T* v_pool, con
     for (int g = 0; g < G; ++g) {
       attn_vf mx = attn_splat(m[g]);
       for (int t0 = 0; t0 < valid; t0 += 8) {   // a max is exact in any order
-        attn_vf x, live;
+        attn_vf x;
         std::memcpy(&x, s[g] + t0, sizeof(x));
-        for (int i = 0; i < 8; ++i) live[i] = static_cast<float>(t0 + i);
+        const attn_vf live = kLaneIndex + attn_splat(static_cast<float>(t0));   // token of each lane
         x = live < attn_splat(static_cast<float>(valid)) ? x : attn_splat(-INFINITY);
         mx = x > mx ? x : mx;
       }
@@ -206,10 +207,10 @@ void attend_split(const attn_vf* q, int G, const T* k_pool, const T* v_pool, con
       const float corr = attn_exp1(m[g] - page_max);  // m = -inf on the first page: exp clamps to ~0
       attn_vf lanes{};
       for (int t0 = 0; t0 < valid; t0 += 8) {   // s holds 8 written lanes past every block start
-        attn_vf e, live;
+        attn_vf e;
         std::memcpy(&e, s[g] + t0, sizeof(e));
         e = attn_exp(e - attn_splat(page_max));
-        for (int i = 0; i < 8; ++i) live[i] = static_cast<float>(t0 + i);
+        const attn_vf live = kLaneIndex + attn_splat(static_cast<float>(t0));   // token of each lane
         e = live < attn_splat(static_cast<float>(valid)) ? e : attn_vf{};
         std::memcpy(s[g] + t0, &e, sizeof(e));
         lanes += e;
