@@ -204,7 +204,10 @@ void attend_split(const attn_vf* q, int G, const T* k_pool, const T* v_pool, con
       }
       float page_max = mx[0];
       for (int i = 1; i < 8; ++i) page_max = mx[i] > page_max ? mx[i] : page_max;
-      const float corr = attn_exp1(m[g] - page_max);  // m = -inf on the first page: exp clamps to ~0
+      // m = -inf on the first page: exp clamps to ~0. A page that does not raise the max (most, past the first
+      // few) skips the exp and the rescale: exp(0) is exactly 1 here, so the bits are those of doing both.
+      const bool grew = page_max != m[g];
+      const float corr = grew ? attn_exp1(m[g] - page_max) : 1.0f;
       attn_vf lanes{};
       for (int t0 = 0; t0 < valid; t0 += 8) {   // s holds 8 written lanes past every block start
         attn_vf e;
@@ -218,7 +221,8 @@ void attend_split(const attn_vf* q, int G, const T* k_pool, const T* v_pool, con
       const float sum = attn_sum(lanes);
       l[g] = l[g] * corr + sum;
       m[g] = page_max;
-      for (int v = 0; v < V; ++v) acc[g * V + v] *= attn_splat(corr);
+      if (grew)
+        for (int v = 0; v < V; ++v) acc[g * V + v] *= attn_splat(corr);
     }
     for (int g0 = 0; g0 < G; g0 += 3) {
       const int ng = std::min(3, G - g0);
