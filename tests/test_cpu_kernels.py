@@ -50,6 +50,31 @@ def test_bf16_matches_fp32_reference(D):
     assert (out.float() - ref).abs().max() <= (torch_bf16 - ref).abs().max() + 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_heads_split_exactly_and_do_not_depend_on_batch_or_threads(dtype):
+    """Heads of up to 1,000 tokens span several fixed splits of pages (their partial softmaxes combined in order):
+    the result is the attention, and each row's bits are the same alone, in any batch and on 1 or 2 threads."""
+    q, k_pool, v_pool, table, counts = _case(4, 9, 3, 64, 16, 63, dtype, seed=11)
+    counts[1] = torch.tensor([1000, 257, 256], dtype=torch.int32)       # split edges and a partial last page
+    ref = paged_decode_attention(q.float(), k_pool.float(), v_pool.float(), table, counts, 0.125)
+    out = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, counts, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    alone = torch.cat([cpu_kernels.paged_decode_attention(q[b:b + 1], k_pool, v_pool, table[b:b + 1],
+                                                          counts[b:b + 1], 0.125) for b in range(4)])
+    assert torch.equal(alone, out)
+    windowed = cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, counts, 0.125, 300)
+    wref = paged_decode_attention(q.float(), k_pool.float(), v_pool.float(), table, counts, 0.125, 300)
+    torch.testing.assert_close(windowed.float(), wref, rtol=tol, atol=tol)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        assert torch.equal(cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, counts, 0.125), out)
+        assert torch.equal(cpu_kernels.paged_decode_attention(q, k_pool, v_pool, table, counts, 0.125, 300), windowed)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_sparse_equals_reference_and_reads_only_selected_pages():
     q, k_pool, v_pool, table, counts = _case(3, 6, 2, 64, 16, 10, torch.float32, seed=3)
     counts[:] = 10 * 16 - 5                                   # partial last page

@@ -2,20 +2,23 @@
 // the decode_attention op (cpu_attention.cpp) and the fused decoder step (cpu_decoder.cpp).
 //
 // Why a kernel: on a CPU the torch path either gathers the pages (an extra copy of every K/V byte) or runs one small
-// matmul per (sequence, page run) with ~100 us of framework overhead each. Here every (sequence, KV head) is one
-// task; it reads its pages in place through the block table, converts bf16 to fp32 in registers, and keeps an online
-// softmax (running max, sum, fp32 accumulator) per query head, so K and V are each read exactly once.
+// matmul per (sequence, page run) with ~100 us of framework overhead each. Here every (sequence, KV head) reads its
+// pages in place through the block table, converts bf16 to fp32 in registers, and keeps an online softmax (running
+// max, sum, fp32 accumulator) per query head, so K and V are each read exactly once; without AVX512-BF16 its pages
+// go in fixed splits to the threads (cpu_attend_split.h).
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_attend_split.h"
 #include "cpu_common.h"
 
 // Internal linkage (an unnamed namespace): each file that includes this compiles its own copy with its own
@@ -61,70 +64,6 @@ struct SelectedPages {
     page_span(table[page], page, n, first, P, token, valid);
   }
 };
-
-// One (sequence, KV head): G query rows q [G, D] (fp32, pre-scaled) over n tokens in the listed blocks.
-template <typename T, int D, typename Pages>
-void attend_head(const float* q, int G, const T* k_pool, const T* v_pool, const Pages& list, int P,
-                 float* out /* [G, D] */) {
-  float m[kMaxGroup], l[kMaxGroup];
-  alignas(64) float acc[kMaxGroup][D];
-  alignas(64) float s[kMaxGroup][kMaxPage];
-  alignas(64) float row[D];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-    for (int d = 0; d < D; ++d) acc[g][d] = 0.0f;
-  }
-  const int64_t pages = list.count();
-  for (int64_t j = 0; j < pages; ++j) {
-    int64_t token = 0;
-    int valid = 0;
-    list.at(j, &token, &valid);
-    if (valid <= 0) continue;
-    const int64_t base = token * D;
-    const T* kp = k_pool + base;
-    const T* vp = v_pool + base;
-    for (int t = 0; t < valid; ++t) {
-#pragma omp simd
-      for (int d = 0; d < D; ++d) row[d] = to_float(kp[t * D + d]);
-      for (int g = 0; g < G; ++g) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int d = 0; d < D; ++d) dot += q[g * D + d] * row[d];
-        s[g][t] = dot;
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      float page_max = m[g];
-      for (int t = 0; t < valid; ++t) page_max = s[g][t] > page_max ? s[g][t] : page_max;
-      const float corr = exp_nonpos(m[g] - page_max);  // m = -inf on the first page: exp clamps to ~0
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int t = 0; t < valid; ++t) {
-        const float e = exp_nonpos(s[g][t] - page_max);
-        s[g][t] = e;
-        sum += e;
-      }
-      l[g] = l[g] * corr + sum;
-      m[g] = page_max;
-#pragma omp simd
-      for (int d = 0; d < D; ++d) acc[g][d] *= corr;
-    }
-    for (int t = 0; t < valid; ++t) {
-#pragma omp simd
-      for (int d = 0; d < D; ++d) row[d] = to_float(vp[t * D + d]);
-      for (int g = 0; g < G; ++g) {
-        const float p = s[g][t];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[g][d] += p * row[d];
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    const float inv = 1.0f / l[g];
-    for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv;
-  }
-}
 
 #ifdef KVH_HAVE_AVX512_BF16
 
@@ -242,14 +181,44 @@ struct Listing {
   }
 };
 
+// Rows q [rows, G, D] (fp32, pre-scaled) over their listed pages -> out [rows, G, D]: every row cut into splits of
+// kSplitTokens / P pages (at least one; fixed by its page count), the splits shared by the threads, then each row's
+// splits combined in order (cpu_attend_split.h).
 template <typename T, int D>
 void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G, float* out) {
-  parallel_tasks(rows, [&](auto next) {
-    for (int64_t i; (i = next()) < rows;) {
-      if (ls.selected)
-        attend_head<T, D>(q + i * G * D, G, k, v, ls.chosen(i), ls.P, out + i * G * D);
-      else
-        attend_head<T, D>(q + i * G * D, G, k, v, ls.all(i), ls.P, out + i * G * D);
+  constexpr int V = D / 8;
+  const int64_t per_split = std::max<int64_t>(1, kSplitTokens / ls.P), stride = 2 * G + G * D;
+  std::vector<int64_t> first(static_cast<size_t>(rows + 1), 0);  // row i's splits: [first[i], first[i + 1])
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t pages = ls.selected ? ls.K : ls.all(i).count();
+    first[i + 1] = first[i] + std::max<int64_t>(1, (pages + per_split - 1) / per_split);
+  }
+  std::vector<attn_vf> qv(static_cast<size_t>(rows * G * V));   // q in the pair order of the pool's chunks
+  for (int64_t r = 0; r < rows * G; ++r)
+    for (int c = 0; c < D / 16; ++c)
+      for (int i = 0; i < 16; ++i) {
+        const int slot = pair_slot<T>(i);
+        qv[r * V + 2 * c + slot / 8][slot % 8] = q[r * D + c * 16 + i];
+      }
+  std::vector<float> parts(static_cast<size_t>(first[rows] * stride));
+  std::vector<std::atomic<int64_t>> left(static_cast<size_t>(rows));  // splits of each row still running
+  for (int64_t i = 0; i < rows; ++i) left[i].store(first[i + 1] - first[i], std::memory_order_relaxed);
+  const int64_t tasks = first[rows];
+  parallel_tasks(tasks, [&](auto next) {
+    for (int64_t t; (t = next()) < tasks;) {
+      const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
+      const int64_t j0 = (t - first[i]) * per_split;
+      const attn_vf* qi = qv.data() + i * G * V;
+      float* part = parts.data() + t * stride;
+      if (ls.selected) {
+        attend_split<T, D>(qi, G, k, v, ls.chosen(i), j0, std::min(ls.K, j0 + per_split), part);
+      } else {
+        const AllPages all = ls.all(i);
+        attend_split<T, D>(qi, G, k, v, all, j0, std::min(all.count(), j0 + per_split), part);
+      }
+      // whoever ends a row's last split combines them all, in split order (one parallel region per call)
+      if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        combine_splits<T, D>(parts.data() + first[i] * stride, first[i + 1] - first[i], G, out + i * G * D);
     }
   });
 }

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -21,36 +23,37 @@ namespace {
 
 #if defined(__AVX512F__)
 constexpr int kGemmLanes = 16;
-constexpr int kTileRows = 6;   // 6 x 4 accumulators + 6 broadcast rows + 1 weight vector of 32 registers
+constexpr int kMaxAcc = 24;    // accumulators a tile may hold, of 32 registers (the rest: weights, broadcasts)
 #else
 constexpr int kGemmLanes = 8;
-constexpr int kTileRows = 3;   // 3 x 4 accumulators + 3 broadcast rows + 1 weight vector of 16 registers
+constexpr int kMaxAcc = 12;    // of 16 registers
 #endif
+constexpr int kMaxRows = 6;                        // rows of x a tile applies each loaded weight vector to
 constexpr int kVectors = 4;                        // weight vectors per panel row
 constexpr int kPanel = kVectors * kGemmLanes;      // outputs per panel
-constexpr int64_t kPanelsPerTask = 4;
+constexpr int64_t kPanelsPerTask = 1;              // o and down have 18 panels: 9 + 9 on two threads
 
 typedef float gemm_vf __attribute__((vector_size(kGemmLanes * sizeof(float))));
 typedef uint32_t gemm_vu32 __attribute__((vector_size(kGemmLanes * sizeof(uint32_t))));
-typedef uint16_t gemm_vu16 __attribute__((vector_size(kGemmLanes * sizeof(uint16_t))));
 
 inline gemm_vf gemm_load(const float* p) {
   gemm_vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline gemm_vf gemm_load(const uint16_t* p) {  // bf16 -> fp32: the bits move to the high half
-#if defined(__AVX512F__)
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return reinterpret_cast<gemm_vf>(_mm512_slli_epi32(wide, 16));
-#elif defined(__AVX2__)
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return reinterpret_cast<gemm_vf>(_mm256_slli_epi32(wide, 16));
-#else
-  gemm_vu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return reinterpret_cast<gemm_vf>(__builtin_convertvector(h, gemm_vu32) << 16);
-#endif
+
+// Weight vectors v and v + 1 of a panel row. bf16 panels store each pair of vectors interleaved (gemm_pack): one
+// load of 2 x lanes values, the even ones (low halves) widened by a shift and the odd ones (high halves) by a mask,
+// where a per-vector zero-extend costs two loads and twice the shuffles.
+inline void gemm_load_pair(const float* row, gemm_vf* a, gemm_vf* b) {
+  *a = gemm_load(row);
+  *b = gemm_load(row + kGemmLanes);
+}
+inline void gemm_load_pair(const uint16_t* row, gemm_vf* a, gemm_vf* b) {
+  gemm_vu32 bits;
+  std::memcpy(&bits, row, sizeof(bits));
+  *a = reinterpret_cast<gemm_vf>(bits << 16);
+  *b = reinterpret_cast<gemm_vf>(bits & 0xFFFF0000u);
 }
 
 inline gemm_vf gemm_fma(gemm_vf a, gemm_vf b, gemm_vf c) {  // a * b + c, rounded once
@@ -61,7 +64,9 @@ inline gemm_vf gemm_fma(gemm_vf a, gemm_vf b, gemm_vf c) {  // a * b + c, rounde
   return reinterpret_cast<gemm_vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
                                                    reinterpret_cast<__m256>(c)));
 #else
-  return a * b + c;
+  gemm_vf r;
+  for (int l = 0; l < kGemmLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
+  return r;
 #endif
 }
 
@@ -76,36 +81,50 @@ inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite
 // ..., K - 1, starting from zero, then + bias, rounded once to the output dtype. That order is fixed by K alone, so
 // an output's bits never depend on M, on the tile of rows it falls in, or on the thread. The panel layout
 // [K, kPanel] puts the kPanel weights of one k side by side: a tile reads the panel front to back (one sequential
-// stream, a cache line or two per k), broadcasts x[m, k] and runs kVectors x rows independent chains.
+// stream, a cache line per k), broadcasts x[m, k] and applies each weight vector to all MR rows, so a panel comes
+// from memory once per step and the rows of further tiles find it in L2. Vectors [V0, V0 + NV) of the panel: a
+// tile of many rows takes the panel in two halves, to keep its MR x NV accumulators in registers.
 constexpr int kPrefetchBytes = 1024;
 
-template <typename TW, typename TO, int MR>
+template <typename TW, typename TO, int MR, int V0, int NV>
 inline void panel_tile(const float* x, int64_t K, const TW* panel, const float* bias, TO* y, int64_t ldy, int cols) {
-  gemm_vf acc[MR][kVectors];
+  static_assert(NV % 2 == 0 && V0 % 2 == 0 && V0 + NV <= kVectors, "vectors come in stored pairs");
+  gemm_vf acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kVectors; ++v) acc[i][v] = gemm_vf{};
+    for (int v = 0; v < NV; ++v) acc[i][v] = gemm_vf{};
   constexpr int64_t kAhead = kPrefetchBytes / (kPanel * static_cast<int64_t>(sizeof(TW)));
   for (int64_t k = 0; k < K; ++k) {
     const TW* row = panel + k * kPanel;
-    __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead * kPanel), 0, 3);
-    gemm_vf xb[MR];
+    if (V0 == 0) __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead * kPanel), 0, 3);
+    gemm_vf wv[NV];
+    for (int v = 0; v < NV; v += 2) gemm_load_pair(row + (V0 + v) * kGemmLanes, &wv[v], &wv[v + 1]);
     for (int i = 0; i < MR; ++i) {
       const float xv = x[i * K + k];
-      for (int l = 0; l < kGemmLanes; ++l) xb[i][l] = xv;
-    }
-    for (int v = 0; v < kVectors; ++v) {
-      const gemm_vf wv = gemm_load(row + v * kGemmLanes);
-      for (int i = 0; i < MR; ++i) acc[i][v] = gemm_fma(xb[i], wv, acc[i][v]);
+      gemm_vf xb;
+      for (int l = 0; l < kGemmLanes; ++l) xb[l] = xv;
+      for (int v = 0; v < NV; ++v) acc[i][v] = gemm_fma(xb, wv[v], acc[i][v]);
     }
   }
+  const int j0 = V0 * kGemmLanes, j1 = std::min(cols, (V0 + NV) * kGemmLanes);
   for (int i = 0; i < MR; ++i) {
-    float out[kPanel];
-    for (int v = 0; v < kVectors; ++v) std::memcpy(out + v * kGemmLanes, &acc[i][v], sizeof(gemm_vf));
-    for (int j = 0; j < cols; ++j) gemm_store(y + i * ldy + j, bias ? out[j] + bias[j] : out[j]);
+    float out[NV * kGemmLanes];
+    for (int v = 0; v < NV; ++v) std::memcpy(out + v * kGemmLanes, &acc[i][v], sizeof(gemm_vf));
+    for (int j = j0; j < j1; ++j) gemm_store(y + i * ldy + j, bias ? out[j - j0] + bias[j] : out[j - j0]);
   }
 }
 
-// Every row of x against panels [p0, p1): tiles of kTileRows rows, the tail in smaller tiles.
+// MR rows against one panel: the whole panel at once where its accumulators fit in registers, else in two halves.
+template <typename TW, typename TO, int MR>
+inline void rows_tile(const float* x, int64_t K, const TW* panel, const float* bias, TO* y, int64_t ldy, int cols) {
+  if constexpr (MR * kVectors <= kMaxAcc) {
+    panel_tile<TW, TO, MR, 0, kVectors>(x, K, panel, bias, y, ldy, cols);
+  } else {
+    panel_tile<TW, TO, MR, 0, kVectors / 2>(x, K, panel, bias, y, ldy, cols);
+    if (cols > kPanel / 2) panel_tile<TW, TO, MR, kVectors / 2, kVectors / 2>(x, K, panel, bias, y, ldy, cols);
+  }
+}
+
+// Every row of x against panels [p0, p1): tiles of kMaxRows rows, the tail in one smaller tile.
 template <typename TW, typename TO>
 void panel_range(const float* x, int64_t M, int64_t K, const TW* packed, const float* bias, int64_t N, TO* y,
                  int64_t p0, int64_t p1) {
@@ -114,19 +133,17 @@ void panel_range(const float* x, int64_t M, int64_t K, const TW* packed, const f
     const int64_t n0 = p * kPanel;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
     const float* b = bias ? bias + n0 : nullptr;
-    int64_t m = 0;
-    for (; m + kTileRows <= M; m += kTileRows)
-      panel_tile<TW, TO, kTileRows>(x + m * K, K, panel, b, y + m * N + n0, N, cols);
-    switch (M - m) {
-      case 0: break;
-      case 1: panel_tile<TW, TO, 1>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
-      case 2: panel_tile<TW, TO, 2>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
-#if defined(__AVX512F__)
-      case 3: panel_tile<TW, TO, 3>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
-      case 4: panel_tile<TW, TO, 4>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
-      case 5: panel_tile<TW, TO, 5>(x + m * K, K, panel, b, y + m * N + n0, N, cols); break;
-#endif
-      default: break;
+    for (int64_t m = 0; m < M; m += kMaxRows) {
+      const float* xm = x + m * K;
+      TO* ym = y + m * N + n0;
+      switch (std::min<int64_t>(kMaxRows, M - m)) {
+        case 1: rows_tile<TW, TO, 1>(xm, K, panel, b, ym, N, cols); break;
+        case 2: rows_tile<TW, TO, 2>(xm, K, panel, b, ym, N, cols); break;
+        case 3: rows_tile<TW, TO, 3>(xm, K, panel, b, ym, N, cols); break;
+        case 4: rows_tile<TW, TO, 4>(xm, K, panel, b, ym, N, cols); break;
+        case 5: rows_tile<TW, TO, 5>(xm, K, panel, b, ym, N, cols); break;
+        default: rows_tile<TW, TO, kMaxRows>(xm, K, panel, b, ym, N, cols); break;
+      }
     }
   }
 }
@@ -144,6 +161,14 @@ void gemm_rows_impl(const float* x, int64_t M, int64_t K, const TW* packed, cons
   });
 }
 
+// Where output j of a panel sits in a stored panel row: fp32 in order; bf16 with each pair of vectors interleaved,
+// vector 2c's lane l at 2 * (c * lanes + l) and vector 2c + 1's lane l just after it (see gemm_load_pair).
+inline int stored_at(int j, bool interleaved) {
+  if (!interleaved) return j;
+  const int pair = j / (2 * kGemmLanes), v = (j / kGemmLanes) % 2, l = j % kGemmLanes;
+  return pair * 2 * kGemmLanes + 2 * l + v;
+}
+
 template <typename T>
 void pack_impl(const T* w, int64_t N, int64_t K, T* packed) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -151,7 +176,7 @@ void pack_impl(const T* w, int64_t N, int64_t K, T* packed) {
     for (int64_t k = 0; k < K; ++k)
       for (int j = 0; j < kPanel; ++j) {
         const int64_t n = p * kPanel + j;
-        packed[(p * K + k) * kPanel + j] = n < N ? w[n * K + k] : T{};
+        packed[(p * K + k) * kPanel + stored_at(j, sizeof(T) == 2)] = n < N ? w[n * K + k] : T{};
       }
 }
 

@@ -6,8 +6,9 @@
 // into panels (the weights of 32 outputs, or 64 on AVX-512, side by side for each k), and each output is one fp32
 // fused multiply-add chain over k in order, so its bits depend only on its activation row and its weights: never on
 // how many rows share the call, the tile it falls in or the thread that runs it (batch invariance by construction,
-// no padding to a fixed shape). Panels go in small groups to whichever thread is free, each read front to back once
-// per tile of rows. GCC vector types: 16 lanes on AVX-512, 8 on AVX2.
+// no padding to a fixed shape). Panels go one at a time to whichever thread is free (both cores stream weights at
+// batch 1); a panel is read from memory once per call and each loaded weight vector is applied to up to 6 rows in
+// registers, further tiles of rows finding it in L2. GCC vector types: 16 lanes on AVX-512, 8 on AVX2.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +20,8 @@ namespace kvh {
 void gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* packed, const uint16_t* bias, int64_t N,
                uint16_t* y);
 void gemm_rows(const float* x, int64_t M, int64_t K, const float* packed, const float* bias, int64_t N, float* y);
-// w [N, K] row-major -> packed [ceil(N / gemm_panel()), K, gemm_panel()], zero-padded.
+// w [N, K] row-major -> packed [ceil(N / gemm_panel()), K, gemm_panel()], zero-padded; in bf16 each pair of
+// weight vectors of a panel row is stored interleaved, so one load and a shift and a mask widen both.
 void gemm_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed);
 void gemm_pack(const float* w, int64_t N, int64_t K, float* packed);
 int64_t gemm_panel();
