@@ -94,7 +94,10 @@ def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_pat
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = list(csv.DictReader(open(tmp_path / "online_sweep" / "rates.csv")))
-    assert [int(r["completed"]) for r in table] == [4, 4]
+    # one row per client (the harness's and `vllm bench serve`) and rate, each client serving every request
+    assert sorted((r["client"], float(r["request_rate"])) for r in table) == sorted(
+        {(r["client"], rate) for r in table for rate in (4.0, 8.0)}) and len({r["client"] for r in table}) == 2
+    assert all(int(r["completed"]) == 4 for r in table)
     assert all(float(r["mean_tpot_ms"]) > 0 and float(r["mean_ttft_ms"]) > 0 for r in table)
     # A rerun finds every rate on disk and starts no server.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
