@@ -309,32 +309,43 @@ class TieredKVCache(TierCopies, WindowRelease):
     def drop_tokens(self, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
-        P = self.page_size
+        P, M, D = self.page_size, self.max_pages, self.head_dim
         s, h, idx = slots.long(), heads.long(), index.long()
-        last = self.num_tokens[s, layer, h].long() - 1
-        if bool((idx > last).any()) or bool((last < 1).any()):
+        # one flat row per (slot, layer, head): every read and write below is a single-index op, because this runs
+        # once per layer of every decode step of an evicting policy and its cost is the number of tensor ops
+        rows = (s * self.num_layers + layer) * self.num_kv_heads + h
+        last = self.num_tokens.view(-1).index_select(0, rows).long() - 1
+        if bool(((idx > last) | (last < 1)).any()):
             raise ValueError("drop_tokens: index beyond the head's tokens, or the head would become empty")
-        self.own_device_pages(s, torch.full_like(s, layer), h, idx // P)     # the hole's page is written
+        hole_page, last_page = idx // P, last // P
+        if self.device_blocks.num_shared:                                    # copy on write only when shared
+            self.own_device_pages(s, torch.full_like(s, layer), h, hole_page)   # the hole's page is written
         if self.positions is not None:
             self.positions.dropped(s, layer, h, idx, last)
-        blk_last = self.block_table[s, layer, h, last // P].long()
-        blk_hole = self.block_table[s, layer, h, idx // P].long()
-        self.k_pool[blk_hole, idx % P] = self.k_pool[blk_last, last % P]
-        self.v_pool[blk_hole, idx % P] = self.v_pool[blk_last, last % P]
-        self.num_tokens[s, layer, h] -= 1
+        table = self.block_table.view(-1, M)
+        blk_last = table[rows, last_page].long()
+        blk_hole = table[rows, hole_page].long()
+        k_flat, v_flat = self.k_pool.view(-1, D), self.v_pool.view(-1, D)
+        src, dst = blk_last * P + last % P, blk_hole * P + idx % P
+        k_flat[dst] = k_flat[src]
+        v_flat[dst] = v_flat[src]
+        self.num_tokens.view(-1)[rows] = last.to(self.num_tokens.dtype)
         emptied = last % P == 0
-        self.device_blocks.free(blk_last[emptied])
-        self.block_table[s[emptied], layer, h[emptied], (last // P)[emptied]] = 0
+        if bool(emptied.any()):          # once per page of drops: the last page's block is freed
+            self.device_blocks.free(blk_last[emptied])
+            table[rows[emptied], last_page[emptied]] = 0
+            pages, rr, cnt = torch.cat([hole_page, last_page[~emptied]]), torch.cat([rows, rows[~emptied]]), \
+                torch.cat([last, last[~emptied]])
+            keep = table[rr, pages] != 0
+            rr, pages, cnt = rr[keep], pages[keep], cnt[keep]
+        else:                            # both pages stay resident (the view's contract)
+            pages, rr, cnt = torch.cat([hole_page, last_page]), torch.cat([rows, rows]), torch.cat([last, last])
         # the hole's page changed content and the last page lost a token: recompute both bounds
-        pages = torch.cat([idx // P, (last // P)[~emptied]])
-        ss, hh = torch.cat([s, s[~emptied]]), torch.cat([h, h[~emptied]])
-        keep = self.block_table[ss, layer, hh, pages] != 0
-        ss, hh, pages = ss[keep], hh[keep], pages[keep]
-        cnt = self.num_tokens[ss, layer, hh].long()
         fill = (cnt - pages * P).clamp(max=P)
-        lo, hi = self.ops.page_minmax(self.k_pool, self.block_table[ss, layer, hh, pages], fill)
-        self.kmin[ss, layer, hh, pages] = lo
-        self.kmax[ss, layer, hh, pages] = hi
+        lo, hi = self.ops.page_minmax(self.k_pool, table[rr, pages], fill)
+        bound_rows = rr * M + pages
+        self.kmin.view(-1, D)[bound_rows] = lo
+        self.kmax.view(-1, D)[bound_rows] = hi
 
 
 def _page_runs(heads: torch.Tensor, start: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

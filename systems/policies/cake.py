@@ -230,27 +230,32 @@ class Cake(Policy):
         if over.numel() == 0:
             return
         sub = slots[over]
-        k, _, counts = kv.gather_tokens(sub, layer)
+        k, counts = ind.stored_keys(kv, sub, layer)
         probs = ind.decode_attention(step.q[over], k, counts, kv.scale)     # [B, Hq, N]
-        pos, _ = self.ledger.view(sub, layer, k.shape[2])
-        b, hkv, n = pos.shape
+        b, hkv, n = k.shape[:3]
         g = probs.shape[1] // hkv
-        valid = torch.arange(n, device=pos.device).view(1, 1, n) < counts.view(b, hkv, 1)
-        key = self.ledger.scores[sub.long(), layer, :, :n] if self.decode_pool_order == "storage" else pos.float()
+        rows = sub.long()
+        ranks = torch.arange(n, device=k.device)
+        valid = ranks.view(1, 1, n) < counts.view(b, hkv, 1)
+        if self.decode_pool_order == "storage":
+            key = self.ledger.scores[rows, layer, :, :n]
+        else:
+            key = self.ledger.view(sub, layer, n)[0].float()
         order = key.masked_fill(~valid, float("inf")).argsort(-1)          # storage index of each rank, padding last
         ranked = probs.view(b, hkv, g, n).gather(-1, order.unsqueeze(2).expand(b, hkv, g, n))
-        prefix = torch.arange(n, device=pos.device).view(1, 1, n) < (counts - self.window).view(b, hkv, 1)
-        ranked = ranked.masked_fill(~prefix.unsqueeze(2), 0.0)              # window and padding stay out of the pool
+        outside = ranks.view(1, 1, n) >= (counts - self.window).view(b, hkv, 1)
+        ranked = ranked.masked_fill(outside.unsqueeze(2), 0.0)              # window and padding stay out of the pool
         score = ind.pool1d(ranked, self.kernel, self.pooling).mean(2)
-        victim = score.masked_fill(~prefix, float("inf")).argmin(-1)        # [B, Hkv], a rank
+        victim = score.masked_fill(outside, float("inf")).argmin(-1)        # [B, Hkv], a rank
         index = order.gather(-1, victim.unsqueeze(-1)).squeeze(-1)
         if self.decode_pool_order == "storage":
             # the official top-k re-stores the prefix by descending pooled score, the window after it
-            desc = score.masked_fill(~prefix, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-            new_rank = torch.empty_like(desc).scatter_(-1, desc, torch.arange(n, device=desc.device).expand(b, hkv, n))
-            rank_key = torch.where(prefix, new_rank, torch.arange(n, device=desc.device).expand(b, hkv, n))
-            self.ledger.scores[sub.long(), layer, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
-        heads = torch.arange(hkv, device=pos.device).expand(b, hkv)
+            desc = score.masked_fill(outside, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+            every = ranks.expand(b, hkv, n)
+            new_rank = torch.empty_like(desc).scatter_(-1, desc, every)
+            rank_key = torch.where(outside, every, new_rank)
+            self.ledger.scores[rows, layer, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
+        heads = torch.arange(hkv, device=k.device).expand(b, hkv)
         self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), layer, heads.reshape(-1),
                          index.reshape(-1))
 

@@ -113,6 +113,10 @@ class LServe(Policy):
         self._group = dims.num_q_heads // dims.num_kv_heads if self.granularity == "query_head" else 1
         self._unit_streaming = self._streaming_dev.repeat_interleave(self._group, dim=1)      # [L, units]
         self._unit_kv = torch.arange(dims.num_kv_heads, device=dims.device).repeat_interleave(self._group)
+        # the split is fixed: each layer's streaming heads and retrieval units as index lists, made once here instead
+        # of a nonzero (a host sync) per layer per decode step
+        self._stream_heads = [row.nonzero().view(-1) for row in self._streaming_dev]
+        self._retrieval_units = [(~row).nonzero().view(-1) for row in self._unit_streaming]
         self.sub = self.physical_page // p
         self.sink_pages, self.local_pages = self.sink_tokens // p, self.local_tokens // p
 
@@ -196,7 +200,7 @@ class LServe(Policy):
         self._has_choice[dst] = self._has_choice[src]
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
-        heads = self._streaming_dev[step.layer].nonzero().view(-1)
+        heads = self._stream_heads[step.layer]
         if heads.numel() == 0:
             return
         last = (kv.num_tokens[step.slots][:, step.layer, heads].long() - 1) // kv.page_size      # [B, s]
@@ -204,6 +208,8 @@ class LServe(Policy):
         b, j = (old >= self.sink_pages).nonzero(as_tuple=True)
         s, h, page = step.slots[b], heads[j], old[b, j]
         live = kv.block_table[s, step.layer, h, page] != 0
+        if not bool(live.any()):        # a page leaves the window once per page of steps; released already
+            return
         kv.release_device_pages(s[live], torch.full_like(s[live], step.layer), h[live], page[live])
 
     # ---- selection -------------------------------------------------------------------------------------------------
@@ -215,7 +221,7 @@ class LServe(Policy):
         valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
         # streaming heads read what they still hold (sink + local window)
         read = (kv.block_table[slots, layer, :, :width] != 0).repeat_interleave(G, 1) & valid
-        units = (~self._unit_streaming[layer]).nonzero().view(-1)
+        units = self._retrieval_units[layer]
         sparse = counts[:, units] > self.budget                         # [B, r] retrieval units past the budget
         if units.numel() and bool(sparse.any()):
             self._refresh(kv, step, units, num_pages, width)

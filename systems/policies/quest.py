@@ -76,17 +76,22 @@ class Quest(Policy):
         # union of per-query-head sets
         self._pages_read = [0] * slots
         self._union_read = torch.zeros(slots, dtype=torch.long, device=kv.device)
+        # per-query-head selections of the current step not yet counted into _union_read: counting them once per
+        # step over all layers instead of once per layer keeps the bookkeeping out of the per-layer hot path
+        self._uncounted: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._head_steps = [0] * slots
         self._group = kv.num_q_heads // kv.num_kv_heads
         self._query_heads = torch.arange(kv.num_kv_heads, device=kv.device).repeat_interleave(self._group)
 
     def reset(self, slot: int) -> None:
         if hasattr(self, "_pages_read"):
+            self._count_unions()
             self._pages_read[slot] = 0
             self._union_read[slot] = 0
             self._head_steps[slot] = 0
 
     def fork(self, kv: KVView, src: int, dst: int) -> None:
+        self._count_unions()
         self._pages_read[dst] = self._pages_read[src]
         self._union_read[dst] = self._union_read[src]
         self._head_steps[dst] = self._head_steps[src]
@@ -113,14 +118,37 @@ class Quest(Policy):
                                   width=width)
         else:
             scores = kv.score_pages(step.slots, step.layer, step.q, heads=heads, width=width)
-            chosen = selection.topk_per_sequence(scores, torch.tensor(reads, device=scores.device))
+            if min(reads) == max(reads):              # the usual batch: one k, no per-sequence cut (and no sync)
+                chosen = selection.topk_uniform(scores, reads[0])
+            else:
+                chosen = selection.topk_per_sequence(scores, torch.tensor(reads, device=scores.device))
         if per_query:                                                             # [B, Hq, K] -> union per KV head
-            union = selection.as_mask(chosen.view(len(held), H, -1), width)
-            self._union_read.index_add_(0, step.slots, union.view(len(held), H, -1).sum((1, 2)))
+            self._defer_union(step.slots, chosen, width)
         return chosen
+
+    def _defer_union(self, slots: torch.Tensor, chosen: torch.Tensor, width: int) -> None:
+        """Queue one layer's per-query-head sets [B, Hq, K] over `width` pages for _count_unions."""
+        last = self._uncounted[-1] if self._uncounted else None
+        if last is not None and (last[0] is not slots or last[1].shape != chosen.shape or last[2] != width
+                                 or len(self._uncounted) >= self.num_layers):
+            self._count_unions()
+        self._uncounted.append((slots, chosen, width))
+
+    def _count_unions(self) -> None:
+        """Add the pending selections' per-KV-head unions to _union_read: they share one batch and width (a new
+        step's slots, another width or a full list flush them first), so one mask over all their layers counts them."""
+        if not self._uncounted:
+            return
+        slots, chosen, width = self._uncounted[0]
+        stacked = torch.stack([c for _, c, _ in self._uncounted])                     # [L, B, Hq, K]
+        self._uncounted = []
+        n_layers, b = stacked.shape[:2]
+        union = selection.as_mask(stacked.view(n_layers, b, self.num_kv_heads, -1), width)
+        self._union_read.index_add_(0, slots, union.sum((0, 2, 3)))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
+        self._count_unions()
         steps = self._head_steps[seq.slot]
         read = self._pages_read[seq.slot] + int(self._union_read[seq.slot])
         stats.update(budget_tokens=self.budget, pages_per_step=self.pages_per_step, granularity=self.granularity,

@@ -147,6 +147,20 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, sca
     return out
 
 
+def stored_keys(kv: Any, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, counts) exactly as kv.gather_tokens returns them (k [B, Hkv, N, D] in storage order, padding past counts
+    [B, Hkv] zeroed), without gathering the values: a decode-time eviction score reads keys only, and it runs per
+    layer per step."""
+    counts = kv.num_tokens[slots, layer]
+    n = int(counts.max())
+    pages = -(-n // kv.page_size)
+    ids = kv.block_table[slots, layer, :, :pages].reshape(-1).long()
+    b, hkv = counts.shape
+    k = kv.k_pool.index_select(0, ids).view(b, hkv, pages * kv.page_size, kv.head_dim)[:, :, :n]
+    pad = torch.arange(n, device=k.device).view(1, 1, n) >= counts.view(b, hkv, 1)
+    return k.masked_fill(pad.unsqueeze(-1), 0), counts.long()
+
+
 def appended_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
     """The attention of n tokens appended last to every head (a query-agnostic question, see
     Policy.after_extend_layer) over the head's stored tokens, causal among themselves: q [n, Hq, D], k [Hkv, N, D]
@@ -213,16 +227,24 @@ class TokenLedger:
     def append(self, slots: torch.Tensor, layer: int, positions: torch.Tensor,
                score: torch.Tensor | None = None) -> None:
         """One decode token appended to every head of each slot (positions [B]; score [B, Hkv])."""
-        s = slots.long()
-        cnt = self.count[s, layer]                                          # [B, Hkv]
+        rows = self._rows(slots, layer)                                     # [B, Hkv]
+        cnt = self.count.view(-1)[rows]
         self._ensure(int(cnt.max()) + 1)
-        heads = torch.arange(cnt.shape[1], device=cnt.device).expand_as(cnt)
-        ss = s.view(-1, 1).expand_as(cnt)
-        self.pos[ss, layer, heads, cnt] = positions.to(self.pos).view(-1, 1).expand_as(cnt)
+        at = rows * self.pos.shape[-1] + cnt
+        self.pos.view(-1)[at] = positions.to(self.pos).view(-1, 1).expand_as(cnt)
         if self.score is not None:
             assert score is not None, "a scored ledger needs the tokens' scores"
-            self.score[ss, layer, heads, cnt] = score.float()
-        self.count[s, layer] += 1
+            self.score.view(-1)[at] = score.float().expand_as(cnt)
+        self.count.view(-1)[rows] = cnt + 1
+
+    def _rows(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat (slot, layer, head) rows: [B, Hkv] for every head of each slot, or [E] for listed heads. The decode
+        hooks index through these so each read and write is one single-index op (they run per layer per step)."""
+        _, num_layers, hkv = self.count.shape
+        base = slots.long() * num_layers + layer
+        if heads is None:
+            return base.view(-1, 1) * hkv + torch.arange(hkv, device=base.device)
+        return base * hkv + heads.long()
 
     def extend(self, slot: int, layer: int, positions: torch.Tensor, score: torch.Tensor | None = None) -> None:
         """n tokens appended after every head's tokens of one slot (a query-agnostic question): positions [n],
@@ -255,9 +277,11 @@ class TokenLedger:
         if slots.numel() == 0:
             return
         kv.drop_tokens(slots, layer, heads, index)
-        s, h, i = slots.long(), heads.long(), index.long()
-        last = self.count[s, layer, h] - 1
-        self.pos[s, layer, h, i] = self.pos[s, layer, h, last]
+        rows = self._rows(slots, layer, heads)
+        last = self.count.view(-1)[rows] - 1
+        cap = self.pos.shape[-1]
+        hole, moved = rows * cap + index.long(), rows * cap + last
+        self.pos.view(-1)[hole] = self.pos.view(-1)[moved]
         if self.score is not None:
-            self.score[s, layer, h, i] = self.score[s, layer, h, last]
-        self.count[s, layer, h] = last
+            self.score.view(-1)[hole] = self.score.view(-1)[moved]
+        self.count.view(-1)[rows] = last

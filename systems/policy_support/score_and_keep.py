@@ -139,7 +139,7 @@ class ScoreAndKeep(FixedBudget):
         if over.numel() == 0:
             return
         sub, hkv = step.slots[over], kv.num_kv_heads
-        k, _, counts = kv.gather_tokens(sub, step.layer)
+        k, counts = ind.stored_keys(kv, sub, step.layer)
         score = self.decode_scores(kv, step, over, k, counts)
         n = score.shape[-1]
         if score.dim() == 2:                                          # one score per token, heads share storage
@@ -155,7 +155,7 @@ class ScoreAndKeep(FixedBudget):
         slots, layer, led, hkv = step.slots, step.layer, self.ledger, kv.num_kv_heads
         led.append(slots, layer, torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device),
                    torch.zeros(len(slots), hkv, device=slots.device))
-        k, _, counts = kv.gather_tokens(slots, layer)
+        k, counts = ind.stored_keys(kv, slots, layer)
         score = self.decode_scores(kv, step, torch.arange(len(slots), device=slots.device), k, counts)
         n = score.shape[-1]
         s = slots.long()

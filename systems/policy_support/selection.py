@@ -61,6 +61,14 @@ def topk_per_sequence(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return torch.where(beyond | torch.isneginf(values), PAD, index)
 
 
+def topk_uniform(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_per_sequence with the same k for every sequence (as k.fill_(k)), without its per-sequence cut: [B, H,
+    min(k, M)] int64, best first, ties to the lower page, padded with PAD past a head's pages."""
+    values, index = scores.sort(dim=-1, descending=True, stable=True)
+    width = min(k, scores.shape[-1])
+    return torch.where(torch.isneginf(values[..., :width]), PAD, index[..., :width])
+
+
 def compact(mask: torch.Tensor) -> torch.Tensor:
     """Indices of the True entries of each row of mask [..., M], ascending, padded with PAD to the longest row."""
     M = mask.shape[-1]

@@ -1,0 +1,68 @@
+"""The decode hooks' cheaper paths equal what they replaced: key-only gathers, a shared-k top-k, batched counters."""
+from __future__ import annotations
+
+import torch
+
+from systems.engine.kv_cache import TieredKVCache
+from systems.policies import load_policy
+from systems.policies.base import SeqInfo
+from systems.policy_support import indicators as ind
+from systems.policy_support import selection
+
+P, H, D = 4, 2, 8
+
+
+def _cache() -> TieredKVCache:
+    return TieredKVCache(num_layers=2, num_q_heads=4, num_kv_heads=H, head_dim=D, page_size=P, max_seqs=3,
+                         max_model_len=64, device_memory_gb=1e-4, host_memory_gb=1e-4, dtype=torch.float32,
+                         device=torch.device("cpu"))
+
+
+def test_stored_keys_equal_gather_tokens_keys_with_uneven_heads():
+    kv = _cache()
+    gen = torch.Generator().manual_seed(0)
+    for slot, n in ((0, 13), (2, 6)):
+        k = torch.randn(n, H, D, generator=gen)
+        kv.store_prefill(slot, 1, k, k + 1)
+    # heads of one sequence hold different counts after drops, and the dropped slots keep stale keys in the pool
+    kv.drop_tokens(torch.tensor([0, 2]), 1, torch.tensor([1, 0]), torch.tensor([3, 0]))
+    kv.drop_tokens(torch.tensor([0]), 1, torch.tensor([1]), torch.tensor([5]))
+    slots = torch.tensor([0, 2])
+    k_ref, _, counts_ref = kv.gather_tokens(slots, 1)
+    k, counts = ind.stored_keys(kv, slots, 1)
+    assert torch.equal(counts, counts_ref) and counts.tolist() == [[13, 11], [5, 6]]
+    assert k.shape == k_ref.shape and torch.equal(k, k_ref)
+    q = torch.randn(2, 4, D, generator=gen)
+    assert torch.equal(ind.decode_attention(q, k, counts, kv.scale), ind.decode_attention(q, k_ref, counts_ref,
+                                                                                          kv.scale))
+
+
+def test_topk_uniform_equals_topk_per_sequence_with_ties_and_short_heads():
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.randint(0, 4, (3, 5, 9), generator=gen).float()     # many ties: the lower page must win
+    scores[1, 2, 4:] = float("-inf")                                   # a head holding 4 pages
+    scores[2, :, 2:] = float("-inf")                                   # a sequence holding 2 pages
+    for k in (1, 3, 9, 12):
+        expected = selection.topk_per_sequence(scores, torch.full((3,), k))
+        assert torch.equal(selection.topk_uniform(scores, k), expected)
+
+
+def test_quest_union_counter_batched_per_step_equals_per_layer_count():
+    """Quest counts the union of each KV head's query-head sets once per step over all layers; the total equals
+    counting each layer's union on its own."""
+    policy = load_policy("quest", dict(budget=2 * P, skip_layers=0))
+    kv = _cache()
+    policy.configure(kv)
+    policy.bind(kv)
+    gen = torch.Generator().manual_seed(2)
+    width, expected = 6, torch.zeros(3, dtype=torch.long)
+    for step in range(4):
+        slots = torch.tensor([0, 2]) if step < 2 else torch.tensor([2])
+        for layer in range(2):
+            w = width - 1 if step == 3 and layer == 1 else width             # a width change mid-step flushes
+            chosen = torch.randint(-1, w, (len(slots), 4, 2), generator=gen)
+            union = selection.as_mask(chosen.view(len(slots), H, -1), w)
+            expected.index_add_(0, slots, union.sum((1, 2)))
+            policy._defer_union(slots, chosen, w)
+    policy.kv_stats(kv, SeqInfo(2, "r", 4, 8, 4, 4))                      # kv_stats counts what is pending
+    assert torch.equal(policy._union_read, expected)
