@@ -78,12 +78,12 @@ def test_profiles_key_on_the_model_being_run_and_refuse_another_models():
     smol = "smollm2-135m-instruct"
     load_policy("flexicache", {}).configure(_dims(smol))           # the shipped profile of the model being run
     load_policy("lserve", {}).configure(_dims(smol))
-    with pytest.raises(ValueError, match=r"no flexicache profile of model 'gemma-3-270m'.*`python -m harness "
-                                         r"\+exp=head_stability exp.params.ship=true model.name=gemma-3-270m`"):
-        load_policy("flexicache", {}).configure(_dims("gemma-3-270m"))
-    with pytest.raises(ValueError, match=r"lserve: no profile of 'gemma-3-270m'.*`python -m harness "
-                                         r"\+exp=duo_attention exp.params.ship=true model.name=gemma-3-270m`"):
-        load_policy("lserve", {}).configure(_dims("gemma-3-270m"))
+    with pytest.raises(ValueError, match=r"no flexicache profile of model 'new-model'.*`python -m harness "
+                                         r"\+exp=head_stability exp.params.ship=true model.name=new-model`"):
+        load_policy("flexicache", {}).configure(_dims("new-model"))
+    with pytest.raises(ValueError, match=r"lserve: no profile of 'new-model'.*`python -m harness "
+                                         r"\+exp=duo_attention exp.params.ship=true model.name=new-model`"):
+        load_policy("lserve", {}).configure(_dims("new-model"))
     # a profile named explicitly (or by another model's name) is still refused when it was made on another model
     shipped = "systems/policy_support/profiles/flexicache__smollm2-135m-instruct__needlebench_mrt.json"
     for params in ({"profile": shipped}, {"profile_model": smol}):
@@ -94,9 +94,9 @@ def test_profiles_key_on_the_model_being_run_and_refuse_another_models():
         load_policy("lserve", {"profile_model": smol}).configure(_dims("other"))
     # the harness asks before it runs anything
     assert policy_class("flexicache").missing_profile({}, smol) is None
-    assert "model.name=gemma-3-270m" in policy_class("lserve").missing_profile({}, "gemma-3-270m")
-    assert policy_class("lserve").missing_profile({"streaming_heads": [[0, 0]]}, "gemma-3-270m") is None
-    assert policy_class("quest").missing_profile({}, "gemma-3-270m") is None
+    assert "model.name=new-model" in policy_class("lserve").missing_profile({}, "new-model")
+    assert policy_class("lserve").missing_profile({"streaming_heads": [[0, 0]]}, "new-model") is None
+    assert policy_class("quest").missing_profile({}, "new-model") is None
 
 
 TOY = ["model.dtype=float32", "model.max_input_tokens=1000", "model.max_model_len=2048", "progress=false"]
