@@ -10,7 +10,8 @@
 //
 // A policy that chooses pages or evicts at decode time still runs in Python between two halves of a layer:
 // decode_layer_in (up to the KV append, returning q) and decode_layer_out (attention over its pages and the rest);
-// decode_layers runs whole layers for a policy that reads every page.
+// decode_layers runs whole layers for a policy that reads every page (and, for one that evicts once per step after
+// every layer, hands back each layer's q, so its eviction scores see exactly the queries the per-layer hook saw).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -225,15 +226,19 @@ at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tens
 
 // Layers [first, last) of a decode step for a policy that reads every page. weights: 7 per layer from `first`
 // (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down; the products packed by skinny_pack); windows: each
-// layer's sliding window (0: none).
+// layer's sliding window (0: none). queries: [L, B, Hq, D] in the model dtype, or none; row `layer` receives that
+// layer's post-RoPE q (a deferred eviction scores with it after the step).
 // Returns the last layer's delta (h updated).
 at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at::TensorList weights,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& num_tokens,
                          const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots, int64_t first,
                          int64_t last, int64_t num_q_heads, int64_t intermediate, double eps, double scale,
-                         at::IntArrayRef windows) {
+                         at::IntArrayRef windows, const c10::optional<at::Tensor>& queries) {
   check_rows(h, delta);
+  TORCH_CHECK(!queries.has_value() || (queries->dim() == 4 && queries->size(0) >= last &&
+                                       queries->scalar_type() == h.scalar_type()),
+              "decode_layers: queries [L, B, Hq, D] in the model dtype");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * (last - first) &&
               static_cast<int64_t>(windows.size()) == last - first, "decode_layers: 7 weights and a window per layer");
   Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
@@ -246,6 +251,7 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
       const at::Tensor bias = w[2].numel() ? w[2] : at::Tensor();
       at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
                                  num_q_heads, eps, wide);
+      if (queries.has_value()) queries->select(0, layer).copy_(q);
       d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6], intermediate, eps, wide);
     }
   });
@@ -282,8 +288,8 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
         "int intermediate, float eps) -> Tensor", &decode_layer_mlp);
   m.def("decode_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, Tensor(f!) kmax, "
-        "Tensor slots, int first, int last, int num_q_heads, int intermediate, float eps, float scale, int[] windows) "
-        "-> Tensor",
+        "Tensor slots, int first, int last, int num_q_heads, int intermediate, float eps, float scale, int[] windows, "
+        "Tensor(g!)? queries=None) -> Tensor",
         &decode_layers);
   m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor",
         &decode_logits);
