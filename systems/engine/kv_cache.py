@@ -306,8 +306,14 @@ class TieredKVCache(TierCopies, WindowRelease):
             self.num_tokens[slot, layer, h] = n_keep
         self.refresh_minmax(slot, layer)
 
-    def drop_tokens(self, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
+    def drop_tokens(self, slots: torch.Tensor, layer: int | torch.Tensor, heads: torch.Tensor,
+                    index: torch.Tensor) -> None:
         if slots.numel() == 0:
+            return
+        if isinstance(layer, torch.Tensor) and (self.device_blocks.num_shared or self.positions is not None):
+            # copy on write allocates blocks and the tracker records per layer: one call per layer keeps their order
+            for each, part in zip(*_layer_runs(layer)):
+                self.drop_tokens(slots[part], each, heads[part], index[part])
             return
         P, M, D = self.page_size, self.max_pages, self.head_dim
         s, h, idx = slots.long(), heads.long(), index.long()
@@ -318,10 +324,12 @@ class TieredKVCache(TierCopies, WindowRelease):
         if bool(((idx > last) | (last < 1)).any()):
             raise ValueError("drop_tokens: index beyond the head's tokens, or the head would become empty")
         hole_page, last_page = idx // P, last // P
-        if self.device_blocks.num_shared:                                    # copy on write only when shared
-            self.own_device_pages(s, torch.full_like(s, layer), h, hole_page)   # the hole's page is written
-        if self.positions is not None:
-            self.positions.dropped(s, layer, h, idx, last)
+        if self.device_blocks.num_shared or self.positions is not None:
+            assert not isinstance(layer, torch.Tensor)                       # a layer per entry went per layer
+            if self.device_blocks.num_shared:                                # copy on write only when shared
+                self.own_device_pages(s, torch.full_like(s, layer), h, hole_page)   # the hole's page is written
+            if self.positions is not None:
+                self.positions.dropped(s, layer, h, idx, last)
         table = self.block_table.view(-1, M)
         blk_last = table[rows, last_page].long()
         blk_hole = table[rows, hole_page].long()
@@ -332,7 +340,13 @@ class TieredKVCache(TierCopies, WindowRelease):
         self.num_tokens.view(-1)[rows] = last.to(self.num_tokens.dtype)
         emptied = last % P == 0
         if bool(emptied.any()):          # once per page of drops: the last page's block is freed
-            self.device_blocks.free(blk_last[emptied])
+            if isinstance(layer, torch.Tensor):
+                # one free per layer, in layer order: the free list then stacks exactly as per-layer calls left it
+                freed = blk_last[emptied]
+                for _, part in zip(*_layer_runs(layer[emptied])):
+                    self.device_blocks.free(freed[part])
+            else:
+                self.device_blocks.free(blk_last[emptied])
             table[rows[emptied], last_page[emptied]] = 0
             pages, rr, cnt = torch.cat([hole_page, last_page[~emptied]]), torch.cat([rows, rows[~emptied]]), \
                 torch.cat([last, last[~emptied]])
@@ -346,6 +360,15 @@ class TieredKVCache(TierCopies, WindowRelease):
         bound_rows = rr * M + pages
         self.kmin.view(-1, D)[bound_rows] = lo
         self.kmax.view(-1, D)[bound_rows] = hi
+
+
+def _layer_runs(layers: torch.Tensor) -> tuple[list[int], list[slice]]:
+    """The layers of entries sorted by layer (ascending) and the slice of entries each one owns."""
+    if bool((layers[1:] < layers[:-1]).any()):
+        raise ValueError("drop_tokens: entries with a layer each must be sorted by layer")
+    each, counts = torch.unique_consecutive(layers, return_counts=True)
+    ends = counts.cumsum(0).tolist()
+    return each.tolist(), [slice(end - c, end) for end, c in zip(ends, counts.tolist())]
 
 
 def _page_runs(heads: torch.Tensor, start: torch.Tensor, stop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
