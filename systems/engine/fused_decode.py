@@ -1,7 +1,10 @@
 """The CPU decode step as fused C++ layers (ops/cpu_decoder.cpp): one call per step, or two per layer around a policy.
 
-A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call. A policy
-with decode-time hooks gets, per layer, `decode_layer_in` (norm, QKV, RoPE, KV append: returns q), its
+A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call, and so does
+one that evicts once per step (`after_decode_step`, run after the call, with each layer's q kept by it when the
+policy scores with them): nothing reads a layer's cache between its attention and the end of a fused step, so its
+eviction then sees and does exactly what its per-layer `after_append` would have. A policy with other decode-time
+hooks gets, per layer, `decode_layer_in` (norm, QKV, RoPE, KV append: returns q), its
 `select_pages`, `decode_layer_attend` (attention over exactly the pages it chose), `decode_layer_mlp` (output
 projection and MLP) and its `after_append` — the hook order of the per-op path (`after_append` runs after the MLP
 instead of before it, which nothing can observe: the MLP does not touch the KV cache). Every product is the skinny
@@ -19,7 +22,7 @@ from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.linear import Linear
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
-from systems.policies.base import DecodeStep, Policy, SeqInfo
+from systems.policies.base import DecodeLayers, DecodeStep, Policy, SeqInfo
 
 if TYPE_CHECKING:
     from systems.engine.probe import PositionProbe
@@ -62,12 +65,24 @@ class FusedDecode:
                         lw.ln2, packed(lw.gate_up), packed(lw.down)) for lw in model.layers]
         self.lm_head = packed(model.lm_head)
         self.flat_weights = [t for layer in self.layers for t in layer]
-        # policies that keep Policy's no-op decode hooks run the whole stack in one call
-        self.per_layer = (type(policy).select_pages is not Policy.select_pages
-                          or type(policy).after_append is not Policy.after_append)
+        # False: a policy that could evict once per step runs its per-layer hooks (what deferring must equal)
+        self.defer = True
         self.windows = [w or 0 for w in model.spec.layer_windows]
         self.rope_table = next(iter(model.rope_tables))
         self.last_selected: torch.Tensor | None = None
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the policy's decode-time eviction runs once after the whole stack (after_decode_step)."""
+        return self.defer and self.policy.defers_eviction() and type(self.policy).select_pages is Policy.select_pages
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether a step runs layer by layer, with the policy's hooks between the calls (policies that keep
+        Policy's no-op decode hooks, or evict once per step, run the whole stack in one call)."""
+        policy = type(self.policy)
+        return policy.select_pages is not Policy.select_pages or (policy.after_append is not Policy.after_append
+                                                                  and not self.deferred)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
                clock: Callable[[str], None] | None = None, probe: PositionProbe | None = None) -> torch.Tensor:
@@ -82,11 +97,16 @@ class FusedDecode:
         slots = slots.to(torch.int64).contiguous()
         delta: torch.Tensor | None = None
         if not self.per_layer and clock is None:
+            deferred, queries = self.deferred, None
+            if deferred and self.policy.step_queries:
+                queries = torch.empty(len(self.layers), len(infos), nq, spec.head_dim, dtype=model.dtype)
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
-                                      inter, eps, kv.scale, self.windows)
+                                      inter, eps, kv.scale, self.windows, queries)
             if probe is not None:            # no hook ran inside the call: every layer read all it holds
                 for layer in range(len(self.layers)):
                     probe.observe(layer, infos, None, self.windows[layer] or None)
+            if deferred:
+                self.policy.after_decode_step(kv, DecodeLayers(slots=slots, seqs=infos, q=queries))
         else:
             for layer, (ln1, qkv, bias, o, ln2, gate_up, down) in enumerate(self.layers):
                 q = ops.decode_layer_in(h, delta, ln1, qkv, bias if bias.numel() else None, cos, sin, *store, slots,

@@ -13,6 +13,8 @@ this order for each sequence (identified by its `slot`, an integer in [0, max_nu
     begin_decode_step(kv, seqs)                   before the forward; may kv.pause(slot) to skip a sequence this step
     select_pages(kv, step) -> pages | None        per layer, after the new token is appended, before attention
     after_append(kv, step)                        per layer, after attention (the step saw the uncompressed cache)
+      or after_decode_step(kv, step)              once, after every layer, in place of after_append where the
+                                                  engine can defer it (see Policy.after_decode_step)
     kv_stats(kv, seq) -> dict                     when the sequence finishes (copied into Completion.kv_stats)
     reset(slot)                                   after it finishes; the engine then frees all its blocks
 
@@ -72,6 +74,38 @@ class DecodeStep:
     slots: torch.Tensor     # [B] int64 slots of the batch, on the engine's device
     seqs: list[SeqInfo]     # the same B sequences, in order
     q: torch.Tensor         # [B, Hq, D] post-RoPE queries of the new token
+    # a step of several layers at once (DecodeLayers.rows, for a policy's after_decode_step): the layer of each row,
+    # whose slots, seqs and q then list one row per (layer, sequence); `layer` is then -1
+    layers: torch.Tensor | None = None
+
+    @property
+    def at(self) -> int | torch.Tensor:
+        """What indexes [slots, layers, ...] storage beside `slots`: the layer, or each row's layer."""
+        return self.layer if self.layers is None else self.layers
+
+    def rows_at(self, rows: torch.Tensor, repeat: int = 1) -> int | torch.Tensor:
+        """`at` for the listed rows, each repeated `repeat` times in a row (e.g. once per KV head)."""
+        return self.layer if self.layers is None else self.layers[rows].repeat_interleave(repeat)
+
+
+@dataclass
+class DecodeLayers:
+    """Every layer of one batched decode step at once, as seen by `after_decode_step`."""
+
+    slots: torch.Tensor     # [B] int64 slots of the batch, on the engine's device
+    seqs: list[SeqInfo]     # the same B sequences, in order
+    # [L, B, Hq, D] each layer's post-RoPE queries of the new token (the q its DecodeStep would carry), for a
+    # policy with `step_queries`; None otherwise. Rows of layers the policy does not manage hold their queries too.
+    q: torch.Tensor | None
+
+    def rows(self, layers: tuple[int, ...]) -> DecodeStep:
+        """The listed layers' rows as one DecodeStep: a row per (layer, sequence), layer-major (the order the
+        per-layer hooks run in), `layers` giving each row's layer; q is empty when this step carries none."""
+        b, dev = len(self.seqs), self.slots.device
+        index = torch.tensor(layers, device=dev)
+        q = self.q[index].flatten(0, 1) if self.q is not None else torch.empty(0, device=dev)
+        return DecodeStep(layer=-1, slots=self.slots.repeat(len(layers)), seqs=self.seqs * len(layers), q=q,
+                          layers=index.repeat_interleave(b))
 
 
 class KVDims(Protocol):
@@ -138,11 +172,13 @@ class KVView(KVDims, Protocol):
         its leading pages; surplus device (and host) blocks are freed and MinMax recomputed. Heads may keep different
         counts (>= 1). The head must be fully resident."""
 
-    def drop_tokens(self, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
+    def drop_tokens(self, slots: torch.Tensor, layer: int | torch.Tensor, heads: torch.Tensor,
+                    index: torch.Tensor) -> None:
         """Decode-time eviction, batched: entry i removes storage index index[i] of head (slots[i], layer, heads[i])
         by moving that head's last token into the hole (policies mirror this move in their per-token state); the
         last page's block is freed when it empties. At most one entry per head per call. The head's last page and
-        the hole's page must be resident."""
+        the hole's page must be resident. `layer` may be one per entry ([E], entries sorted by layer): the same as
+        one call per layer in ascending order."""
 
     def offload_pages(self, slots: torch.Tensor, layers: torch.Tensor, heads: torch.Tensor,
                       pages: torch.Tensor) -> None:
@@ -194,6 +230,7 @@ class Policy:
     # without full-attention layers (a window everywhere) it manages every layer. "manage": its hooks run on every
     # layer and it alone decides what a windowed layer holds (the window then only masks).
     windowed_layers: ClassVar[str] = "window"
+    step_queries: ClassVar[bool] = False    # after_decode_step reads each layer's query (DecodeLayers.q)
 
     # ---- what the harness asks a policy (defaults here; a policy overrides what differs) ----------------------------
     @classmethod
@@ -375,6 +412,25 @@ class Policy:
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         """After decode attention of step.layer: decode-time eviction through kv.drop_tokens / keep_tokens."""
+
+    def after_decode_step(self, kv: KVView, step: DecodeLayers) -> None:
+        """Decode-time eviction of a whole step at once: exactly what after_append on every managed layer, in
+        ascending order, would have done (the same kept tokens, storage moves and freed blocks), with tensors that
+        span the layers instead of one set of ops per layer. The engine calls it instead of after_append after the
+        step's last layer, where nothing reads a layer's cache between its attention and the end of the step (a
+        pure decode step of the fused CPU path), so each layer's cache is still what its after_append would have
+        seen. A policy that overrides it keeps after_append for the engine's other paths. Not overridden: the
+        engine calls after_append per layer."""
+        raise NotImplementedError
+
+    def defers_eviction(self) -> bool:
+        """Whether the policy evicts once per step (after_decode_step) where the engine can defer eviction: not
+        when a subclass overrides after_append below the class that defined after_decode_step (its per-layer hook
+        is then the policy's rule, which after_decode_step does not know)."""
+        mro = type(self).__mro__
+        deferring = next(c for c in mro if "after_decode_step" in vars(c))
+        appending = next(c for c in mro if "after_append" in vars(c))
+        return deferring is not Policy and mro.index(appending) >= mro.index(deferring)
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         """Realized KV of the finished sequence: tokens kept per layer and KV head, resident device pages."""
