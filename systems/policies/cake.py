@@ -27,11 +27,11 @@ mean_times_var | sum = SnapKV | h2o).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from systems.policies.base import DecodeStep, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeLayers, DecodeStep, KVView, Policy, SeqInfo
 from systems.policy_support import allocation as alloc
 from systems.policy_support import indicators as ind
 
@@ -71,6 +71,8 @@ class Cake(Policy):
     seed: int = 0                       # random allocation only
     decode_evict: bool = True           # official: decode keeps each layer at B_l + S_w
     decode_pool_order: str = "storage"  # storage (official cache order, by score) | position
+
+    step_queries: ClassVar[bool] = True     # decode eviction scores with each layer's query
 
     def __post_init__(self) -> None:
         if self.window < 1 or self.budget <= self.window:
@@ -218,19 +220,20 @@ class Cake(Policy):
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
-        layer, slots = step.layer, step.slots
+        layer, slots = step.at, step.slots
         new_pos = torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device)
         self.ledger.append(slots, layer, new_pos, (APPENDED + new_pos.float()).view(-1, 1).expand(-1, kv.num_kv_heads))
         if not self.decode_evict:
             return
-        rank = self.layer_rank(layer)
-        limit = torch.tensor([self._state[s.slot].budgets[rank] + self.window for s in step.seqs],
+        ranks_of = [self.layer_rank(step.layer)] * len(slots) if step.layers is None else \
+            [self.layer_rank(int(x)) for x in step.layers.tolist()]
+        limit = torch.tensor([self._state[s.slot].budgets[r] + self.window for s, r in zip(step.seqs, ranks_of)],
                              device=slots.device)
         over = (kv.num_tokens[slots, layer, 0].long() > limit).nonzero().flatten()
         if over.numel() == 0:
             return
-        sub = slots[over]
-        k, counts = ind.stored_keys(kv, sub, layer)
+        sub, at = slots[over], step.rows_at(over)
+        k, counts = ind.stored_keys(kv, sub, at)
         probs = ind.decode_attention(step.q[over], k, counts, kv.scale)     # [B, Hq, N]
         b, hkv, n = k.shape[:3]
         g = probs.shape[1] // hkv
@@ -238,9 +241,9 @@ class Cake(Policy):
         ranks = torch.arange(n, device=k.device)
         valid = ranks.view(1, 1, n) < counts.view(b, hkv, 1)
         if self.decode_pool_order == "storage":
-            key = self.ledger.scores[rows, layer, :, :n]
+            key = self.ledger.scores[rows, at, :, :n]
         else:
-            key = self.ledger.view(sub, layer, n)[0].float()
+            key = self.ledger.view(sub, at, n)[0].float()
         order = key.masked_fill(~valid, float("inf")).argsort(-1)          # storage index of each rank, padding last
         ranked = probs.view(b, hkv, g, n).gather(-1, order.unsqueeze(2).expand(b, hkv, g, n))
         outside = ranks.view(1, 1, n) >= (counts - self.window).view(b, hkv, 1)
@@ -254,10 +257,16 @@ class Cake(Policy):
             every = ranks.expand(b, hkv, n)
             new_rank = torch.empty_like(desc).scatter_(-1, desc, every)
             rank_key = torch.where(outside, every, new_rank)
-            self.ledger.scores[rows, layer, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
+            self.ledger.scores[rows, at, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
         heads = torch.arange(hkv, device=k.device).expand(b, hkv)
-        self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), layer, heads.reshape(-1),
+        self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), step.rows_at(over, hkv), heads.reshape(-1),
                          index.reshape(-1))
+
+    def after_decode_step(self, kv: KVView, step: DecodeLayers) -> None:
+        """after_append over every managed layer's rows at once, each scored with its layer's own query: each row's
+        attention is computed alone and the rest works along each row's own tokens (padding ranked last and kept
+        out of the pool, the victim each row's first minimum), so no row depends on which rows share the pass."""
+        self.after_append(kv, step.rows(self.managed_layers))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         st = self._state.get(seq.slot)

@@ -26,6 +26,7 @@ from systems.policy_support.score_and_keep import ScoreAndKeep
 class H2O(ScoreAndKeep):
     name = "h2o"
     accumulate: ClassVar[bool] = True   # the attention a token receives adds up over prefill and every decode step
+    rows_scored_alone: ClassVar[bool] = True    # decode_scores: each row's own attention, reduced per row
 
     budget: int = 1024                  # heavy + recent tokens per layer and KV head, recent included
     recent_size: Optional[int] = None   # None = budget // 2 (H2O's heavy_ratio = recent_ratio); class default 512

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from systems.policies.base import DecodeStep, KVView, SeqInfo
+from systems.policies.base import DecodeLayers, DecodeStep, KVView, SeqInfo
 from systems.policy_support.fixed_budget import LedgerBudget
 
 
@@ -46,20 +46,25 @@ class StreamingLLM(LedgerBudget):
         self.ledger.extend(seq.slot, layer, torch.arange(seq.seq_len - n, seq.seq_len, device=q.device))
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
-        slots, layer = step.slots, step.layer
+        slots, layer = step.slots, step.at
         self.ledger.append(slots, layer, torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device))
         over = (kv.num_tokens[slots, layer, 0] > self.budget).nonzero().flatten()
         if over.numel() == 0:
             return
-        sub = slots[over]
-        pos, counts = self.ledger.view(sub, layer, int(kv.num_tokens[sub, layer].max()))
+        sub, at = slots[over], step.rows_at(over)
+        pos, counts = self.ledger.view(sub, at, int(kv.num_tokens[sub, at].max()))
         n = pos.shape[-1]
         valid = torch.arange(n, device=pos.device).view(1, 1, n) < counts.unsqueeze(-1)
         oldest = pos.masked_fill(~valid | (pos < self.sink_size), torch.iinfo(torch.int64).max).argmin(-1)
         b, hkv = oldest.shape
         heads = torch.arange(hkv, device=pos.device).expand(b, hkv)
-        self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), layer, heads.reshape(-1),
+        self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), step.rows_at(over, hkv), heads.reshape(-1),
                          oldest.reshape(-1))
+
+    def after_decode_step(self, kv: KVView, step: DecodeLayers) -> None:
+        """after_append over every managed layer's rows at once: positions are unique per head, so the oldest token
+        does not depend on which rows share the pass."""
+        self.after_append(kv, step.rows(self.managed_layers))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         return {**super().kv_stats(kv, seq), "budget_tokens_per_layer": self.budget, "sink_size": self.sink_size,

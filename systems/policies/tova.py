@@ -21,6 +21,8 @@ from systems.policy_support.score_and_keep import ScoreAndKeep
 class TOVA(ScoreAndKeep):
     name = "tova"
 
+    rows_scored_alone = True    # decode_scores: each row's own attention (ind.decode_attention runs row by row)
+
     budget: int = 512           # cache_size: tokens per layer (every KV head the same), nothing forced
 
     def __post_init__(self) -> None:

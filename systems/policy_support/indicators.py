@@ -147,10 +147,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, sca
     return out
 
 
-def stored_keys(kv: Any, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def stored_keys(kv: Any, slots: torch.Tensor, layer: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, counts) exactly as kv.gather_tokens returns them (k [B, Hkv, N, D] in storage order, padding past counts
     [B, Hkv] zeroed), without gathering the values: a decode-time eviction score reads keys only, and it runs per
-    layer per step."""
+    layer per step. `layer` may give each row its own layer ([B], a deferred eviction's rows)."""
     counts = kv.num_tokens[slots, layer]
     n = int(counts.max())
     pages = -(-n // kv.page_size)
@@ -224,9 +224,10 @@ class TokenLedger:
             self.score[slot, layer, :, :m] = score.float()
         self.count[slot, layer] = m
 
-    def append(self, slots: torch.Tensor, layer: int, positions: torch.Tensor,
+    def append(self, slots: torch.Tensor, layer: int | torch.Tensor, positions: torch.Tensor,
                score: torch.Tensor | None = None) -> None:
-        """One decode token appended to every head of each slot (positions [B]; score [B, Hkv])."""
+        """One decode token appended to every head of each slot (positions [B]; score [B, Hkv]); `layer` one for
+        all or one per slot entry ([B], every (slot, layer) listed once)."""
         rows = self._rows(slots, layer)                                     # [B, Hkv]
         cnt = self.count.view(-1)[rows]
         self._ensure(int(cnt.max()) + 1)
@@ -237,7 +238,7 @@ class TokenLedger:
             self.score.view(-1)[at] = score.float().expand_as(cnt)
         self.count.view(-1)[rows] = cnt + 1
 
-    def _rows(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+    def _rows(self, slots: torch.Tensor, layer: int | torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
         """Flat (slot, layer, head) rows: [B, Hkv] for every head of each slot, or [E] for listed heads. The decode
         hooks index through these so each read and write is one single-index op (they run per layer per step)."""
         _, num_layers, hkv = self.count.shape
@@ -267,13 +268,16 @@ class TokenLedger:
             self.score[dst] = self.score[src]
         self.count[dst] = self.count[src]
 
-    def view(self, slots: torch.Tensor, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positions [B, Hkv, n], counts [B, Hkv]) of the listed slots, in storage order."""
+    def view(self, slots: torch.Tensor, layer: int | torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [B, Hkv, n], counts [B, Hkv]) of the listed slots (at `layer`, or at each one's), in storage
+        order."""
         s = slots.long()
         return self.pos[s, layer, :, :n].long(), self.count[s, layer]
 
-    def drop(self, kv: Any, slots: torch.Tensor, layer: int, heads: torch.Tensor, index: torch.Tensor) -> None:
-        """kv.drop_tokens (the head's last token moves into the hole), mirrored here."""
+    def drop(self, kv: Any, slots: torch.Tensor, layer: int | torch.Tensor, heads: torch.Tensor,
+             index: torch.Tensor) -> None:
+        """kv.drop_tokens (the head's last token moves into the hole), mirrored here; `layer` one for all entries or
+        one per entry (sorted by layer)."""
         if slots.numel() == 0:
             return
         kv.drop_tokens(slots, layer, heads, index)

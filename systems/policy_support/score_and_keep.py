@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from systems.policies.base import DecodeStep, KVView, SeqInfo
+from systems.policies.base import DecodeLayers, DecodeStep, KVView, SeqInfo
 from systems.policy_support import indicators as ind
 from systems.policy_support.fixed_budget import FixedBudget
 
@@ -43,6 +43,10 @@ class ScoreAndKeep(FixedBudget):
     budget: int = 1024          # tokens per layer and KV head, window included
 
     accumulate: ClassVar[bool] = False     # decode scores add up per token (H2O) instead of standing alone (TOVA)
+    step_queries: ClassVar[bool] = True    # decode scores read each layer's query
+    # decode_scores reads nothing but step.q[rows] and its arguments and scores each row alone, so one call may
+    # score the rows of every layer of a step (eviction is then deferred to the step's end; see after_decode_step)
+    rows_scored_alone: ClassVar[bool] = False
 
     # ---- what a policy implements -------------------------------------------------------------------------------
     def prefill_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -53,7 +57,9 @@ class ScoreAndKeep(FixedBudget):
     def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, k: torch.Tensor,
                       counts: torch.Tensor) -> torch.Tensor:
         """Worth of each stored token for the batch rows `rows` of the step: [R, Hkv, N] (or [R, N], shared by every
-        head), given their stored keys k [R, Hkv, N, D] and counts [R, Hkv]. Not implemented: prefill-only."""
+        head), given their stored keys k [R, Hkv, N, D] and counts [R, Hkv]. Each row's scores must not depend on
+        the other rows (nor on padding past its counts): a deferred eviction's step holds the rows of every layer
+        (DecodeStep.layers; read the query as step.q[rows]). Not implemented: prefill-only."""
         raise NotImplementedError
 
     def extend_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -134,12 +140,21 @@ class ScoreAndKeep(FixedBudget):
         else:
             self._evict_lowest_now(kv, step)
 
+    def after_decode_step(self, kv: KVView, step: DecodeLayers) -> None:
+        """after_append over every managed layer's rows at once, scored with each layer's own query: each row's
+        scores are computed alone (ind.decode_attention runs row by row) and a victim is each row's first minimum,
+        so neither depends on which rows share the pass."""
+        self.after_append(kv, step.rows(self.managed_layers))
+
+    def defers_eviction(self) -> bool:
+        return super().defers_eviction() and (self.rows_scored_alone or not self.evicts_while_decoding())
+
     def _evict_lowest_now(self, kv: KVView, step: DecodeStep) -> None:
-        over = (kv.num_tokens[step.slots, step.layer, 0] > self.budget).nonzero().flatten()
+        over = (kv.num_tokens[step.slots, step.at, 0] > self.budget).nonzero().flatten()
         if over.numel() == 0:
             return
         sub, hkv = step.slots[over], kv.num_kv_heads
-        k, counts = ind.stored_keys(kv, sub, step.layer)
+        k, counts = ind.stored_keys(kv, sub, step.rows_at(over))
         score = self.decode_scores(kv, step, over, k, counts)
         n = score.shape[-1]
         if score.dim() == 2:                                          # one score per token, heads share storage
@@ -148,11 +163,11 @@ class ScoreAndKeep(FixedBudget):
         else:
             valid = torch.arange(n, device=score.device).view(1, 1, -1) < counts.unsqueeze(-1)
             victim = score.masked_fill(~valid, float("inf")).argmin(-1).reshape(-1)
-        kv.drop_tokens(sub.repeat_interleave(hkv), step.layer, torch.arange(hkv, device=sub.device).repeat(len(sub)),
-                       victim)
+        kv.drop_tokens(sub.repeat_interleave(hkv), step.rows_at(over, hkv),
+                       torch.arange(hkv, device=sub.device).repeat(len(sub)), victim)
 
     def _evict_lowest_running(self, kv: KVView, step: DecodeStep) -> None:
-        slots, layer, led, hkv = step.slots, step.layer, self.ledger, kv.num_kv_heads
+        slots, layer, led, hkv = step.slots, step.at, self.ledger, kv.num_kv_heads
         led.append(slots, layer, torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device),
                    torch.zeros(len(slots), hkv, device=slots.device))
         k, counts = ind.stored_keys(kv, slots, layer)
@@ -163,11 +178,12 @@ class ScoreAndKeep(FixedBudget):
         over = (counts[:, 0] > self.budget).nonzero().flatten()
         if over.numel() == 0:
             return
-        sub = slots[over]
-        pos, cnt = led.view(sub, layer, n)
+        sub, at = slots[over], step.rows_at(over)
+        pos, cnt = led.view(sub, at, n)
         newest = torch.tensor([step.seqs[i].seq_len for i in over.tolist()], device=pos.device).view(-1, 1, 1)
         protected = (pos >= newest - self.window_size()) | (torch.arange(n, device=pos.device).view(1, 1, n) >=
                                                            cnt.unsqueeze(-1))
-        victim = led.scores[sub.long(), layer, :, :n].masked_fill(protected, float("inf")).argmin(-1)
+        victim = led.scores[sub.long(), at, :, :n].masked_fill(protected, float("inf")).argmin(-1)
         heads = torch.arange(hkv, device=pos.device).expand(len(sub), hkv)
-        led.drop(kv, sub.view(-1, 1).expand(len(sub), hkv).reshape(-1), layer, heads.reshape(-1), victim.reshape(-1))
+        led.drop(kv, sub.view(-1, 1).expand(len(sub), hkv).reshape(-1), step.rows_at(over, hkv), heads.reshape(-1),
+                 victim.reshape(-1))
