@@ -1,0 +1,164 @@
+"""Deferred decode-time eviction (after_decode_step once per fused step) equals the per-layer after_append it replaces.
+
+Two engines run the same requests in lockstep, one with each kind of eviction; after every engine step they must
+hold the same logits bits, token counts, block tables, pool contents, MinMax bounds of resident pages, free lists
+(block ids in order) and policy ledgers, through preemption, shared contexts (forks) and kept prefixes.
+"""
+import random
+
+import pytest
+import torch
+
+from systems.base import GenerationRequest
+from systems.engine.kv_cache import TieredKVCache
+from systems.engine.ops import cpu_kernels
+from systems.policies import load_policy
+from tests.test_engine_invariants import MODULE, POLICIES, _engine, _shared_requests
+
+DEFERRING = ["streaming", "tova", "h2o", "cake", "cake_nocascade", "snapkv"]
+needs_kernels = pytest.mark.skipif(not cpu_kernels.has_fused_decode(), reason="CPU kernels not built")
+
+
+def _instrumented(path, name: str, defer: bool, blocks: int):
+    """An engine whose fused step defers eviction or not, recording each step's logits and which hook ran."""
+    engine = _engine(path, load_policy(MODULE.get(name, name), POLICIES[name]), blocks)
+    assert engine.runner.fused is not None
+    engine.runner.fused.defer = defer
+    record: dict = {"logits": [], "deferred": 0, "per_layer": 0}
+    run_step, policy = engine.runner.run_step, engine.policy
+    after_decode_step, after_append = policy.after_decode_step, policy.after_append
+
+    def logged_run_step(decodes, chunks):
+        out = run_step(decodes, chunks)
+        record["logits"].append(out.clone())
+        return out
+
+    def logged_after_decode_step(kv, step):
+        record["deferred"] += 1
+        after_decode_step(kv, step)
+
+    def logged_after_append(kv, step):
+        record["per_layer"] += 1
+        after_append(kv, step)
+
+    engine.runner.run_step = logged_run_step
+    policy.after_decode_step = logged_after_decode_step
+    policy.after_append = logged_after_append
+    return engine, record
+
+
+def _state(engine) -> dict:
+    kv, policy = engine.kv, engine.policy
+    resident = kv.block_table != 0
+    out = {"num_tokens": kv.num_tokens, "block_table": kv.block_table, "host_table": kv.host_table,
+           "k_pool": kv.k_pool, "v_pool": kv.v_pool, "kmin": kv.kmin[resident], "kmax": kv.kmax[resident],
+           "free_device": kv.device_blocks._stack[:kv.device_blocks.num_free],
+           "free_host": kv.host_blocks._stack[:kv.host_blocks.num_free]}
+    ledger = getattr(policy, "ledger", None)
+    if ledger is not None:
+        held = torch.arange(ledger.pos.shape[-1]).view(1, 1, 1, -1) < ledger.count.unsqueeze(-1)
+        out.update(ledger_count=ledger.count, ledger_pos=ledger.pos[held])
+        if ledger.score is not None:
+            out["ledger_score"] = ledger.score[held]
+    return {key: value.clone() for key, value in out.items()}
+
+
+def _lockstep(path, name: str, requests: list, arrive_at: list[int], blocks: int, kept: str | None = None):
+    (deferred, dlog), (per_layer, plog) = (_instrumented(path, name, defer, blocks) for defer in (True, False))
+    pending, step, seqs = sorted(zip(arrive_at, range(len(requests))), key=lambda p: p[0]), 0, ([], [])
+    while pending or deferred.scheduler.has_work() or per_layer.scheduler.has_work():
+        while pending and pending[0][0] <= step:
+            i = pending.pop(0)[1]
+            for engine, out in zip((deferred, per_layer), seqs):
+                out.append(engine.add_request(requests[i]))
+        deferred.step()
+        per_layer.step()
+        a, b = _state(deferred), _state(per_layer)
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}: {key} differs after step {step}"
+        assert len(dlog["logits"]) == len(plog["logits"])
+        assert all(torch.equal(x, y) for x, y in zip(dlog["logits"], plog["logits"])), f"logits at step {step}"
+        assert deferred.scheduler.num_preemptions == per_layer.scheduler.num_preemptions
+        step += 1
+        assert step < 5000
+    for d, p in zip(*seqs):
+        assert d.output_ids == p.output_ids and d.token_logprobs == p.token_logprobs and not d.error
+        assert d.kv_stats == p.kv_stats
+    if kept is not None:
+        assert deferred.release_prefix(kept) and per_layer.release_prefix(kept)
+        assert torch.equal(_state(deferred)["free_device"], _state(per_layer)["free_device"])
+    assert dlog["deferred"] > 0 and plog["deferred"] == 0         # both kinds of eviction did run
+    assert plog["per_layer"] > dlog["per_layer"]
+    return deferred.scheduler.num_preemptions
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", DEFERRING)
+def test_deferred_eviction_equals_per_layer_eviction_under_preemption(tiny_llama_dir, name):
+    preempted = 0
+    for seed in (0, 1):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(3, 110),), generator=g).tolist(),
+                                      rng.randint(1, 30), ignore_eos=True, logprob_steps=0) for i in range(9)]
+        preempted += _lockstep(tiny_llama_dir, name, requests, [rng.randint(0, 20) for _ in requests], blocks=110)
+    assert preempted > 0                                             # the pool was tight enough to preempt
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", DEFERRING)
+def test_deferred_eviction_equals_per_layer_eviction_with_forks(tiny_llama_dir, name):
+    rng = random.Random(3)
+    requests = _shared_requests(rng, torch.Generator().manual_seed(3), 3)
+    _lockstep(tiny_llama_dir, name, requests, [rng.randint(0, 30) for _ in requests], blocks=160, kept="3-kept")
+
+
+def test_policies_that_defer_and_those_that_do_not():
+    """Deferring needs a rule that knows multi-layer steps: a subclass with its own after_append, or a scorer that
+    does not say its rows are scored alone, keeps the per-layer hook."""
+    from tests.test_score_and_keep import KeepOldest
+
+    def policy(name):
+        return load_policy(MODULE.get(name, name), POLICIES.get(name, {}))
+
+    for name in ("streaming", "tova", "h2o", "cake", "cake_nocascade", "snapkv", "knorm", "pyramidkv"):
+        assert policy(name).defers_eviction(), name
+    for name in ("dense", "quest", "flexicache", "flexicache_naive", "lserve"):
+        assert not policy(name).defers_eviction(), name
+    assert not KeepOldest(budget=8).defers_eviction()
+    streaming = type(load_policy("streaming", {}))
+
+    class OwnRule(streaming):
+        def after_append(self, kv, step):
+            pass
+
+    assert not OwnRule().defers_eviction()
+
+
+def test_drop_with_a_layer_per_entry_equals_one_drop_per_layer():
+    """Same storage, bounds, counts and free list (ids in order) as one call per layer, pages emptied included."""
+    def cache():
+        kv = TieredKVCache(num_layers=3, num_q_heads=4, num_kv_heads=2, head_dim=8, page_size=4, max_seqs=2,
+                           max_model_len=64, device_memory_gb=1e-4, host_memory_gb=1e-4, dtype=torch.float32,
+                           device=torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        for slot, n in ((0, 13), (1, 9)):
+            for layer in range(3):
+                k = torch.randn(n, 2, 8, generator=gen)
+                kv.store_prefill(slot, layer, k, k + 1)
+        return kv
+
+    slots, layers = torch.tensor([0, 1, 0, 0, 1, 1]), torch.tensor([0, 0, 1, 2, 2, 2])
+    heads, index = torch.tensor([1, 0, 0, 1, 0, 1]), torch.tensor([3, 8, 12, 0, 5, 8])
+    one, per = cache(), cache()
+    one.drop_tokens(slots, layers, heads, index)
+    for layer in range(3):
+        at = layers == layer
+        per.drop_tokens(slots[at], layer, heads[at], index[at])
+    assert one.device_blocks.num_free > cache().device_blocks.num_free        # pages did empty
+    for key in ("num_tokens", "block_table", "k_pool", "v_pool"):
+        assert torch.equal(getattr(one, key), getattr(per, key)), key
+    resident = one.block_table != 0
+    assert torch.equal(one.kmin[resident], per.kmin[resident]) and torch.equal(one.kmax[resident], per.kmax[resident])
+    assert torch.equal(one.device_blocks._stack[:one.device_blocks.num_free],
+                       per.device_blocks._stack[:per.device_blocks.num_free])
