@@ -144,7 +144,8 @@ class ScoreAndKeep(FixedBudget):
         """after_append over every managed layer's rows at once, scored with each layer's own query: each row's
         scores are computed alone (ind.decode_attention runs row by row) and a victim is each row's first minimum,
         so neither depends on which rows share the pass."""
-        self.after_append(kv, step.rows(self.managed_layers))
+        if self.evicts_while_decoding():
+            self.after_append(kv, step.rows(self.managed_layers))
 
     def defers_eviction(self) -> bool:
         return super().defers_eviction() and (self.rows_scored_alone or not self.evicts_while_decoding())
