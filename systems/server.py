@@ -322,8 +322,7 @@ def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m systems.server", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True,
-                   help="local HF safetensors folder (`python -m harness.integrations.serve` gives the embedded one)")
+    p.add_argument("--model", required=True, help="local HF safetensors folder (python -m harness.integrations.serve)")
     p.add_argument("--served-model-name", help="the `model` clients send (default: the folder's name)")
     p.add_argument("--model-name", help="the name the policy's profile is found by (default: the served name)")
     p.add_argument("--policy", default="dense", help="module name in systems/policies")
@@ -334,11 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context limit (default: the model's)")
     p.add_argument("--max-queue", type=int, default=64, help="waiting requests beyond which the server answers 503")
     p.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After with a 503")
-    p.add_argument("--engine", default="{}", help="the engine config (systems/engine/config.py) as one JSON object, "
-                                                  "e.g. '{\"page_size\": 16, \"device_memory_gb\": 2}'")
-    p.add_argument("--max-body-mb", type=float,
-                   help="request bodies beyond this many MiB get 413 unread (default: 128 bytes per context token, "
-                        "at least 1 MiB)")
+    p.add_argument("--engine", default="{}", help="the engine config (systems/engine/config.py) as one JSON object")
+    p.add_argument("--max-body-mb", type=float, help="request bodies beyond this many MiB get 413 unread "
+                                                     "(default: 128 bytes per context token, at least 1 MiB)")
     for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
         p.add_argument(f"--{flag}", type=kind, help="engine setting, over --engine (default: the engine's)")

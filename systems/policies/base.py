@@ -281,6 +281,18 @@ class Policy:
         return None
 
     @classmethod
+    def _profile_lookup_error(cls, params: dict[str, Any], model: str, given: str) -> str | None:
+        """`missing_profile` of a policy that finds its profile by model name unless `given` (its heads, listed in
+        the params) or `profile` (a path) is set: the error constructing it for `model` raises, if any."""
+        if params.get(given) is not None or params.get("profile"):
+            return None
+        try:
+            cls.from_params({**params, "profile_model": params.get("profile_model") or model})
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    @classmethod
     def profile_free_params(cls, num_layers: int, num_kv_heads: int) -> dict[str, Any]:
         """Parameters that let the policy run without a profile of the model (microbenchmarks on synthetic KV):
         only how many heads play each role matters there, not which."""

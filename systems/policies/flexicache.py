@@ -80,13 +80,7 @@ class FlexiCache(Policy):
 
     @classmethod
     def missing_profile(cls, params: dict[str, Any], model: str) -> str | None:
-        if params.get("unstable_heads") is not None or params.get("profile"):
-            return None
-        try:
-            cls.from_params({**params, "profile_model": params.get("profile_model") or model})
-        except ValueError as exc:
-            return str(exc)
-        return None
+        return cls._profile_lookup_error(params, model, given="unstable_heads")
 
     @property
     def top_k(self) -> int:

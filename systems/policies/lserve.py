@@ -88,13 +88,7 @@ class LServe(Policy):
 
     @classmethod
     def missing_profile(cls, params: dict[str, Any], model: str) -> str | None:
-        if params.get("streaming_heads") is not None or params.get("profile"):
-            return None
-        try:
-            cls.from_params({**params, "profile_model": params.get("profile_model") or model})
-        except ValueError as exc:
-            return str(exc)
-        return None
+        return cls._profile_lookup_error(params, model, given="streaming_heads")
 
     # ---- setup ---------------------------------------------------------------------------------------------------
     def configure(self, dims: KVDims) -> None:
