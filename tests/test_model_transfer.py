@@ -137,3 +137,12 @@ def test_model_transfer_end_to_end_on_two_tiny_models(tiny_llama_dir, tiny_qwen2
                                                         f"results_dir={tmp_path}", *TOY])
     with pytest.raises(UserError, match="does not compare models: drop exp.models"):
         run(bad)
+    # one model per folder: a plain run of another model into tiny-a's folder is refused before any work
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        other = compose(config_name="config", overrides=["+exp=model_transfer", *overrides, "exp.models=[]",
+                                                          "exp.name=model_transfer/tiny-a", "model.name=tiny-b",
+                                                          f"model.path={tiny_qwen2_dir}"])
+    before = sorted(p.name for p in (folder / "tiny-a").iterdir())
+    with pytest.raises(UserError, match="holds cells of model 'tiny-a', not 'tiny-b': give this model its own folder"):
+        run(other)
+    assert sorted(p.name for p in (folder / "tiny-a").iterdir()) == before

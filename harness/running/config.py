@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from harness.integrations.assets import AssetError
+from harness.running.damage import set_aside
 from systems.registry import SystemConfigError
 from tasks.base import TaskError
 
@@ -106,6 +107,23 @@ def check_paths(cfg: DictConfig) -> Path:
         raise UserError(f"exp.name={cfg.exp.name!r} must be a folder name inside results_dir (no '..', not absolute, "
                         "no surrounding spaces), e.g. exp.name=my_run")
     return Path(results) / name
+
+
+def check_one_model(out_dir: Path, model: str) -> None:
+    """A results folder holds one model's cells: a run on another model would set the first model's cells aside as
+    stale and overwrite its summary, so it is refused in one line that names a folder of its own."""
+    import yaml
+
+    for config in sorted(out_dir.glob("*/config.yaml")):
+        if set_aside(config.parent):
+            continue
+        try:
+            held = ((yaml.safe_load(config.read_text()) or {}).get("model") or {}).get("name")
+        except (OSError, yaml.YAMLError, AttributeError):
+            continue                    # a damaged cell: the driver's damage check reports it
+        if held is not None and str(held) != model:
+            raise UserError(f"{out_dir} holds cells of model {held!r}, not {model!r}: give this model its own "
+                            f"folder (results_dir=<another folder>), or use exp.models to run both models")
 
 
 def check_writable(out_dir: Path) -> None:

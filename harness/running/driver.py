@@ -37,6 +37,7 @@ from harness.running.config import (
     check_dtype,
     check_model_lengths,
     check_no_extra_keys,
+    check_one_model,
     check_paths,
     check_writable,
     pin_dtype,
@@ -84,6 +85,7 @@ def find_experiment(kind: str) -> Experiment[Any]:
 def prepare(cfg: DictConfig, same_code: bool = True) -> tuple[Experiment[Any], Run[Any]]:
     """The experiment and its run context: dtype pinned, grid resolved, params parsed, everything validated."""
     out_dir = check_paths(cfg)
+    check_one_model(out_dir, str(cfg.model.name))
     pin_dtype(cfg)
     experiment = find_experiment(cfg.exp.kind)
     grid = resolve_cells(cfg, experiment.system_defaults)
