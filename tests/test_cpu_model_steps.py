@@ -1,6 +1,8 @@
 """The fused decoder steps (ops/cpu_model.cpp) round where the torch expressions round: bf16 results equal torch's."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,9 +117,47 @@ def test_prepacked_bf16_weights_compute_what_f_linear_computes(rows):
             linear.wide = None          # the widened fp32 path has its own test below
         assert torch.equal(linear(x), F.linear(x, weight, b))
         padded = torch.cat([x, x.new_zeros(-rows % 16, 96)])
-        assert torch.equal(linear(x, tile=16), torch.cat([F.linear(c, weight, b) for c in padded.split(16)])[:rows])
+        with _one_thread():          # each tile is one call on one thread (test_prompt_tiles_...)
+            want = torch.cat([F.linear(c, weight, b) for c in padded.split(16)])[:rows]
+        assert torch.equal(linear(x, tile=16), want)
     assert Linear(weight.float()).packed is None        # fp32 keeps F.linear (MKL's kernel, not oneDNN's)
 
+
+
+@contextlib.contextmanager
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_prompt_tiles_do_not_depend_on_the_thread_count():
+    """oneDNN splits a product among threads by their count, and on AMX CPUs it splits the sum over K of a narrow
+    output (SmolLM2's down projection: 576 outputs of 1536 terms), so batch-invariant tiles run one per thread: each
+    row's bits are the same at 1 and 2 threads, in any tile, and equal a one-thread call on its tile."""
+    from systems.engine.models.linear import Linear
+
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(576, 1536, generator=g).bfloat16()
+    x = torch.randn(700, 1536, generator=g).bfloat16()
+    linear = Linear(weight)
+    before = torch.get_num_threads()
+    try:
+        got = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = linear(x, tile=256), linear(x[256:300], tile=256)
+            assert torch.get_num_threads() == threads          # the workers' one-thread setting stays inside
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[1][0], got[2][0]) and torch.equal(got[1][1], got[2][1])
+    assert torch.equal(got[2][0][256:300], got[2][1])            # a row's tile neighbours do not matter
+    with _one_thread():
+        padded = torch.cat([x, x.new_zeros(-700 % 256, 1536)])
+        assert torch.equal(got[2][0], torch.cat([linear._mm(c) for c in padded.split(256)])[:700])
 
 def test_emulated_bf16_runs_as_an_fp32_gemm_of_the_same_values(monkeypatch):
     """Where oneDNN has no bf16 kernels, prompt-sized GEMMs run in fp32 on the bf16 values and round once: a bf16

@@ -76,6 +76,12 @@ class Linear:
             return torch.ops.kvharness_cpu.skinny_linear(x, packed, self.bias, self.weight.shape[0])
         return self(x, tile)
 
+    @staticmethod
+    def _one_thread_tiles() -> bool:
+        from systems.engine.ops import cpu_kernels
+
+        return cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "tile_linear")
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -86,13 +92,18 @@ class Linear:
     def __call__(self, x: torch.Tensor, tile: int | None = None) -> torch.Tensor:
         """With `tile`, every GEMM call gets exactly `tile` rows (the last chunk zero-padded), so each row's result
         depends only on that row, not on how many rows the batch has (GEMM libraries choose kernels, and with them
-        the reduction order, by shape)."""
+        the reduction order, by shape); oneDNN's prepacked calls also run one tile per thread, as its split among
+        threads would otherwise depend on their count."""
         if tile is None:
             return self._mm(x)
         n = x.shape[0]
         pad = -n % tile
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        if self.packed is not None and self._one_thread_tiles():
+            # oneDNN splits a product among threads by their count (on AMX, even the sum over K): one thread per
+            # tile keeps a row's bits independent of the thread count too (ops/cpu_gemm.cpp, tile_linear)
+            return torch.ops.kvharness_cpu.tile_linear(x, self.packed, self.bias, self.weight.shape[0], tile)[:n]
         if x.shape[0] == tile:
             return self._mm(x)[:n]
         return torch.cat([self._mm(chunk) for chunk in x.split(tile)])[:n]

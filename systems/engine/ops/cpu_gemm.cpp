@@ -1,12 +1,17 @@
-// The skinny decode GEMM of cpu_gemm.h, and the ops that expose it (`skinny_pack`, `skinny_linear`).
+// The skinny decode GEMM of cpu_gemm.h and the ops that expose it (`skinny_pack`, `skinny_linear`), and the
+// one-thread-per-tile prompt GEMM of batch-invariant mode (`tile_linear`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include <immintrin.h>
@@ -237,9 +242,53 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return y;
 }
 
+// y [M, n] = x . w^T (+ bias) by oneDNN's kernel for a weight prepacked by torch.ops.mkldnn._reorder_linear_weight,
+// `tile` rows per call (M a multiple of it), each call on ONE thread, the tiles shared by the threads.
+//
+// Why: oneDNN chooses how to split a product among threads by the thread count, and on AMX CPUs it splits the sum
+// over K for narrow outputs (SmolLM2's MLP down projection, 576 outputs of a 1536-long sum), so a row's bits
+// depended on torch's thread count even with fixed tiles. On one thread a tile's arithmetic is fixed by its shape
+// alone. Each worker sets its own OpenMP thread count to 1 inside the region (the setting is the region's and ends
+// with it), which oneDNN reads when it creates and runs its kernel; with one tile the region has one thread and the
+// same setting, so a single tile never runs on two threads either.
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       int64_t n, int64_t tile) {
+  TORCH_CHECK(x.dim() == 2 && tile > 0 && x.size(0) % tile == 0, "tile_linear: x [M, K] with M a multiple of tile");
+  static auto linear = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, c10::string_view,
+                 c10::List<c10::optional<at::Scalar>>, c10::optional<c10::string_view>)>();
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  const int64_t tiles = x.size(0) / tile;
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
+  std::atomic<int64_t> next{0};
+  std::exception_ptr failed;
+  const at::ThreadLocalState caller;   // inference mode and the rest of the caller's state, in every worker
+#pragma omp parallel num_threads(workers)
+  {
+    omp_set_num_threads(1);
+    const at::ThreadLocalStateGuard state(caller);
+    try {
+      for (int64_t t; (t = next.fetch_add(1)) < tiles;) {
+        const at::Tensor out = linear.call(xc.narrow(0, t * tile, tile), packed, bias, "none",
+                                           c10::List<c10::optional<at::Scalar>>(), "");
+        TORCH_CHECK(out.size(1) == n, "tile_linear: n does not match the packed weight");
+        y.narrow(0, t * tile, tile).copy_(out);
+      }
+    } catch (...) {  // an exception may not cross the parallel region: the first one is raised after it
+#pragma omp critical
+      if (!failed) failed = std::current_exception();
+      next.store(tiles);
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("skinny_pack(Tensor w) -> Tensor", &skinny_pack);
   m.def("skinny_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor", &skinny_linear);
+  m.def("tile_linear(Tensor x, Tensor packed, Tensor? bias, int n, int tile) -> Tensor", &tile_linear);
 }
