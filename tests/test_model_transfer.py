@@ -79,10 +79,12 @@ def test_profiles_key_on_the_model_being_run_and_refuse_another_models():
     load_policy("flexicache", {}).configure(_dims(smol))           # the shipped profile of the model being run
     load_policy("lserve", {}).configure(_dims(smol))
     with pytest.raises(ValueError, match=r"no flexicache profile of model 'new-model'.*`python -m harness "
-                                         r"\+exp=head_stability exp.params.ship=true model.name=new-model`"):
+                                         r"\+exp=head_stability exp.params.ship=true model.name=new-model "
+                                         r"results_dir=results/new-model`"):
         load_policy("flexicache", {}).configure(_dims("new-model"))
     with pytest.raises(ValueError, match=r"lserve: no profile of 'new-model'.*`python -m harness "
-                                         r"\+exp=duo_attention exp.params.ship=true model.name=new-model`"):
+                                         r"\+exp=duo_attention exp.params.ship=true model.name=new-model "
+                                         r"results_dir=results/new-model`"):
         load_policy("lserve", {}).configure(_dims("new-model"))
     # a profile named explicitly (or by another model's name) is still refused when it was made on another model
     shipped = "systems/policy_support/profiles/flexicache__smollm2-135m-instruct__needlebench_mrt.json"

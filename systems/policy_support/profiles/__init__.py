@@ -23,8 +23,9 @@ def profile_path(kind: str, model: str, task: str, folder: Path | str = PROFILE_
 
 
 def make_command(profiler: str, model: str) -> str:
-    """The command that makes (and ships) a `profiler` profile of `model` (the run's model.name)."""
-    return f"python -m harness +exp={profiler} exp.params.ship=true model.name={model}"
+    """The command that makes (and ships) a `profiler` profile of `model` (the run's model.name), in a results folder
+    of the model's own (a results folder holds one model's cells)."""
+    return f"python -m harness +exp={profiler} exp.params.ship=true model.name={model} results_dir=results/{model}"
 
 
 def check_model(profile: dict[str, Any], path: Path | str, model: str | None, profiler: str) -> None:
