@@ -174,3 +174,18 @@ def test_a_parked_context_gives_way_when_nothing_else_fits(tiny_llama_dir):
     assert all(s.num_output_tokens == 4 and not s.error for s in seqs)
     assert engine.scheduler.prefixes.kept == 1 and not seqs[2].forked   # kept once, given up, rebuilt unshared
     assert seqs[2].output_ids == alone and engine.kv.device_blocks.num_used == 0
+
+
+@pytest.mark.parametrize("name", ["cake", "h2o", "snapkv"])
+def test_a_context_forks_after_its_ledger_grew_in_a_step(tiny_llama_dir, name, monkeypatch):
+    """A policy's decode ledger grows (doubling) inside a step; forking that context for a second reader, or
+    resetting it, updates the grown tensor in place: the engine runs every entry that reaches the hooks in inference
+    mode, so both happen (a ledger starting at 4 tokens grows on the first prompt)."""
+    from systems.policy_support import indicators
+
+    monkeypatch.setattr(indicators.TokenLedger.__init__, "__defaults__", (False, 4))
+    context, questions = _parts(3)
+    engine = _engine(tiny_llama_dir, name, batch_invariant=True)
+    alone = [engine.generate([_agnostic(f"s{i}", context, q)])[0].output_ids for i, q in enumerate(questions)]
+    shared = engine.generate([_agnostic(f"k{i}", context, q, shared="ctx") for i, q in enumerate(questions)])
+    assert [s.output_ids for s in shared] == alone and [s.forked for s in shared] == [False, True, True]

@@ -135,10 +135,14 @@ class Engine:
         if request.shared_context is not None and ctx is None:
             raise ValueError(f"request {rid}: shared_context needs context_len (how many prompt tokens it shares)")
 
+    @torch.inference_mode()
     def release_prefix(self, key: str) -> bool:
         """Unpin a prefix kept by keep_prefill: freed now, or when its last reader finishes. False: no such key."""
         return self.scheduler.prefixes.release(key)
 
+    # every entry that reaches the policy's hooks runs in inference mode, as the forward does: a hook may (re)allocate
+    # its state there (a ledger growing), and an inference tensor can only be updated in place inside that mode
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """One scheduler step (one forward over decodes and prompt chunks); returns the sequences that finished.
 
@@ -281,6 +285,7 @@ class Engine:
         live = pages * self.kv.num_layers * self.kv.num_kv_heads * self.kv.minmax_bytes_per_page
         self.minmax_peak_bytes = max(self.minmax_peak_bytes, live)
 
+    @torch.inference_mode()
     def abort(self, seq: Sequence) -> None:
         """Take a sequence out wherever it is (a client went away), freeing its KV blocks in both tiers."""
         if seq.status is Status.FINISHED:
