@@ -20,7 +20,7 @@ from harness.experiments.accuracy import AccuracyExperiment, ratio
 from harness.experiments.accuracy.data import AccuracyData, same_budget
 from harness.experiments.accuracy.params import AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
-from harness.reporting.summary import cell_envs
+from harness.reporting.summary import cell_envs, generation_work
 from harness.running.cells import StoredCell
 from harness.running.config import UserError
 from harness.running.experiment import Run
@@ -89,7 +89,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                  "means = mean score ÷ mean reference score (CAKE's). Same samples, prompts and greedy decoding for "
                  "every system; engine systems decode batch-invariantly.")
     summary.took(cells_seconds(metrics),
-                 "generation + fidelity, every cell")
+                 generation_work(p))
     return summary.write(out_dir)
 
 

@@ -27,7 +27,7 @@ from harness.experiments.accuracy.params import REPORT_PARAMS, AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, ruler_coverage, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
-from harness.reporting.summary import cell_envs
+from harness.reporting.summary import cell_envs, generation_work
 from harness.reporting.uncertainty import Estimate
 from harness.running.cells import StoredCell
 from harness.running.config import UserError
@@ -163,7 +163,7 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
     # policies are compared at equal budget: a pair across budgets says nothing about either policy
     standard_sections(summary, data, reference, out_dir, per_unit=False, pairwise_groups=at_one_budget)
     summary.took(cells_seconds(metrics),
-                 "generation + fidelity, every cell")
+                 generation_work(p))
     return summary.write(out_dir)
 
 

@@ -19,7 +19,7 @@ from harness.experiments.accuracy.params import AccuracyParams
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
-from harness.reporting.summary import cell_envs
+from harness.reporting.summary import cell_envs, generation_work
 from harness.reporting.uncertainty import Estimate
 from harness.running.config import UserError
 from harness.running.experiment import Run
@@ -141,7 +141,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
                 title=f"NeedleBench {LABELS[mode]} by length × depth ({n}; mean and 95 % CI per cell)",
                 note=summary.figure_note(n)), f"heatmap {mode}")
     summary.took(cells_seconds(metrics),
-                 "generation + fidelity, every cell")
+                 generation_work(p))
     return summary.write(out_dir)
 
 

@@ -28,7 +28,7 @@ from harness.experiments.accuracy.ratio import phrase as budget_phrase
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, ruler_coverage, standard_sections
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
-from harness.reporting.summary import cell_envs
+from harness.reporting.summary import cell_envs, generation_work
 from harness.reporting.uncertainty import Estimate
 from harness.running.config import UserError
 from harness.running.experiment import Run
@@ -138,7 +138,7 @@ def write_summary(run: Run[AccuracyParams], cells: list[Any], labels: list[str],
             "retention vs length")
     standard_sections(summary, by_length, reference, out_dir, per_unit=False)
     summary.took(cells_seconds(metrics),
-                 "generation + fidelity, every cell")
+                 generation_work(p))
     return summary.write(out_dir)
 
 

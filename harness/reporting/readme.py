@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SECTIONS: dict[str, str | None] = {
     "budget_sweep": "score and fidelity vs token budget, one curve per policy (CAKE F5 style)",
     "accuracy_retention": "per-task retention of every policy at one budget (FlexiCache T2/T3, CAKE T1 style)",
+    "shared_context": "every policy query-aware, query-agnostic and with k questions reading one compressed "
+                      "context (kvpress's query-agnostic protocol, SCBench's shared context)",
     "ruler": "RULER's 11 synthetic tasks per context length, dense vs each policy",
     "needlebench": "S-RT / M-RT / M-RS scores and length × depth heatmaps per system (CAKE F6)",
     "offline_throughput": "tokens/s of engine-dense, vLLM and HF on the same requests (16 × (4000 in + 256 out))",

@@ -22,6 +22,12 @@ from systems.hardware import dtype_name
 log = logging.getLogger("kvharness")
 
 
+def generation_work(params: Any) -> str:
+    """What an accuracy run's cost covers: the teacher-forced fidelity pass only where the run made one."""
+    fidelity = params.get("fidelity") if hasattr(params, "get") else getattr(params, "fidelity", None)
+    return "generation + fidelity, every cell" if fidelity else "generation, every cell"
+
+
 class Summary:
     def __init__(self, cfg: Any, title: str | None = None, envs: list[dict] | None = None):
         """`envs`: the env.json records of the cells the numbers come from (their commands, commits and machine

@@ -24,7 +24,7 @@ from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds, stan
 from harness.experiments.cake_ablation.params import Params
 from harness.experiments.cake_ablation.report import AblationReport, matches, retention_columns
 from harness.reporting import uncertainty as unc
-from harness.reporting.summary import cell_envs
+from harness.reporting.summary import cell_envs, generation_work
 from harness.running.config import UserError, plain
 from harness.running.experiment import Run
 from harness.running.grid import GridCell, validate_cells, variant, with_task_params
@@ -166,7 +166,7 @@ def write_summary(run: Run[Params], cells: list[Any], labels: list[str], metrics
                   "system": pt["label"], **retention_columns(report.retention(pt["label"]))}
                  for pt in points], "points")
     summary.took(cells_seconds(metrics),
-                 "generation + fidelity, every cell")
+                 generation_work(p))
     return summary.write(out_dir)
 
 

@@ -17,7 +17,7 @@ from harness.experiments.accuracy.data import AccuracyData, csv_estimate
 from harness.experiments.accuracy.sections import CHAIN_KEY, cells_seconds
 from harness.reporting import plots
 from harness.reporting import uncertainty as unc
-from harness.reporting.summary import cell_envs
+from harness.reporting.summary import cell_envs, generation_work
 from harness.reporting.uncertainty import Estimate
 from harness.running.config import UserError
 from harness.running.experiment import Run
@@ -153,7 +153,7 @@ def write_summary(run: Run[Any], cells: list[Any], labels: list[str], metrics: l
             xlabel="system (bars: modes, hatched as in the legend)",
             ylabel=f"macro retention vs {reference}, same mode (95 % CI)",
             title=f"Retention by compression mode ({n_text})", note=summary.figure_note(n_text)), "retention by mode")
-    summary.took(cells_seconds(metrics), "generation + fidelity, every cell")
+    summary.took(cells_seconds(metrics), generation_work(p))
     return summary.write(out_dir)
 
 
