@@ -76,11 +76,13 @@ class Linear:
             return torch.ops.kvharness_cpu.skinny_linear(x, packed, self.bias, self.weight.shape[0])
         return self(x, tile)
 
-    @staticmethod
-    def _one_thread_tiles() -> bool:
-        from systems.engine.ops import cpu_kernels
+    def _one_thread_tiles(self) -> bool:
+        """Whether tile_linear can run (asked once per weight: tiled calls are on the prompt's hot path)."""
+        if not hasattr(self, "_tiles_ok"):
+            from systems.engine.ops import cpu_kernels
 
-        return cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "tile_linear")
+            self._tiles_ok = cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "tile_linear")
+        return self._tiles_ok
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
