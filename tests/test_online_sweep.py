@@ -114,12 +114,12 @@ def test_focus_line_states_the_tpot_ratio_at_the_highest_sustained_rate_or_says_
     rows = [row("dense", 0.1, 150.0, 185.0), row("dense", 0.2, 300.0, 150.0), row("flexi", 0.1, 100.0, 182.0),
             row("flexi", 0.2, 120.0, 105.0), row("vllm", 0.1, 75.0, 181.0), row("vllm", 0.2, 90.0, 104.0)]
     line = focus_line(rows, "flexi", ["dense", "vllm"])
-    assert line.startswith("at 0.1 req/s, the highest rate `dense` sustains") and "1.50× lower than `dense`'s" in line
-    assert "0.75× lower than `vllm`'s" in line
+    assert line.startswith("at 0.1 req/s, the highest rate `dense` sustains") and "0.67× `dense`'s (150 ms)" in line
+    assert "1.33× `vllm`'s (75 ms)" in line
     # completed / duration < 0.9 x rate here (16 / 185 s = 0.086 < 0.09), yet the 0.1 run ended on time
     assert 16 / 185.0 < 0.9 * 0.1
     none = focus_line([{**r, "duration": 400.0} for r in rows], "flexi", ["dense", "vllm"])
-    assert "`dense` sustains none of the rates" in none and "at the lowest, 0.1 req/s" in none and "1.50×" in none
+    assert "`dense` sustains none of the rates" in none and "at the lowest, 0.1 req/s" in none and "0.67× `dense`" in none
     failed = focus_line([{**r, "completed": 15} if r["system"] == "dense" else r for r in rows], "flexi",
                         ["dense", "vllm"])
     assert "`dense` sustains none" in failed

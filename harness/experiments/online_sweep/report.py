@@ -45,10 +45,11 @@ def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
     at = {r["system"]: r for r in rows if r["request_rate"] == rate}
     if focus not in at or not at[focus]["mean_tpot_ms"]:
         return None
-    parts = [f"{at[v]['mean_tpot_ms'] / at[focus]['mean_tpot_ms']:.2f}× lower than `{v}`'s "
-             f"({at[v]['mean_tpot_ms']:.0f} ms)" for v in versus if v in at]
+    # focus ÷ versus, as the per-rate lines state it: above 1× the focus system is slower
+    parts = [f"{at[focus]['mean_tpot_ms'] / at[v]['mean_tpot_ms']:.2f}× `{v}`'s ({at[v]['mean_tpot_ms']:.0f} ms)"
+             for v in versus if v in at]
     return (f"{where}, `{focus}`'s mean TPOT ({at[focus]['mean_tpot_ms']:.0f} ms) is " + " and ".join(parts)
-            + " (below 1×: higher).")
+            + " (above 1×: slower).")
 
 
 def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
