@@ -3,6 +3,8 @@ bf16 GEMMs computed as fp32 GEMMs of the same values on CPUs whose oneDNN has no
 row-by-row product (ops/cpu_gemm.cpp) for decode rows."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,15 @@ def emulates_bf16(weight: torch.Tensor) -> bool:
             and not torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def one_thread_tiles() -> bool:
+    """Whether tile_linear can run: a property of the process (its kernels), asked once, since tiled calls are on the
+    prompt's hot path."""
+    from systems.engine.ops import cpu_kernels
+
+    return cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "tile_linear")
+
+
 class Linear:
     """y = x W^T (+ b)."""
 
@@ -76,14 +87,6 @@ class Linear:
             return torch.ops.kvharness_cpu.skinny_linear(x, packed, self.bias, self.weight.shape[0])
         return self(x, tile)
 
-    def _one_thread_tiles(self) -> bool:
-        """Whether tile_linear can run (asked once per weight: tiled calls are on the prompt's hot path)."""
-        if not hasattr(self, "_tiles_ok"):
-            from systems.engine.ops import cpu_kernels
-
-            self._tiles_ok = cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "tile_linear")
-        return self._tiles_ok
-
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -102,7 +105,7 @@ class Linear:
         pad = -n % tile
         if pad:
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-        if self.packed is not None and self._one_thread_tiles():
+        if self.packed is not None and one_thread_tiles():
             # oneDNN splits a product among threads by their count (on AMX, even the sum over K): one thread per
             # tile keeps a row's bits independent of the thread count too (ops/cpu_gemm.cpp, tile_linear)
             return torch.ops.kvharness_cpu.tile_linear(x, self.packed, self.bias, self.weight.shape[0], tile)[:n]
