@@ -1,4 +1,5 @@
-"""CpuMeter reads what a process tree used from /proc: children count, excluded subtrees do not."""
+"""CpuMeter reads what a process tree used from /proc: children count, excluded subtrees do not; CpuTrace reads the
+last part of its window alone."""
 import multiprocessing as mp
 import os
 import sys
@@ -6,7 +7,7 @@ import time
 
 import pytest
 
-from harness.measuring.cpu_usage import CpuMeter, process_tree
+from harness.measuring.cpu_usage import CpuMeter, CpuTrace, process_tree
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -35,3 +36,16 @@ def test_children_count_and_excluded_subtrees_do_not():
     excluded, procs_excluded = _measure(exclude_child=True)
     assert counted >= 0.3 and procs == procs_excluded + 1      # the spinning child used most of the window
     assert excluded < 0.2                                       # this process only slept
+
+
+def test_trace_reads_the_busy_end_of_its_window_alone():
+    """An idle start (a load client importing) then a busy end (its load): the whole window reads about half a core,
+    its last part one core."""
+    with CpuTrace(every_s=0.05) as meter:
+        time.sleep(0.6)
+        _spin(time.time() + 0.6)
+    assert meter.usage is not None
+    whole, end = meter.usage, meter.usage_of_last(0.5)
+    assert 0.3 < whole.cores_busy < 0.7
+    assert end.cores_busy > 0.8 and 0.5 <= end.wall_s < 0.7
+    assert meter.usage_of_last(60.0).cpu_s == whole.cpu_s      # longer than the window: all of it

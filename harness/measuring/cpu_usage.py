@@ -8,6 +8,7 @@ real share of the window, not a configured number.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,49 @@ class CpuMeter:
     def __exit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self._t0
         after, allowed, processes = self._snapshot()
-        deltas = [(ticks - self._before.get(key, 0)) / TICK for key, ticks in after.items()]
-        self.usage = CpuUsage(wall_s=wall, cpu_s=sum(deltas), processes=processes, cpus_allowed=cpu_list_text(allowed),
-                              busy_threads=sum(1 for d in deltas if wall > 0 and d >= BUSY_SHARE * wall))
+        self.usage = _usage(self._before, after, wall, allowed, processes)
+
+
+def _usage(before: dict[tuple[int, int], int], after: dict[tuple[int, int], int], wall: float, allowed: set[int],
+           processes: int) -> CpuUsage:
+    deltas = [(ticks - before.get(key, 0)) / TICK for key, ticks in after.items()]
+    return CpuUsage(wall_s=wall, cpu_s=sum(deltas), processes=processes, cpus_allowed=cpu_list_text(allowed),
+                    busy_threads=sum(1 for d in deltas if wall > 0 and d >= BUSY_SHARE * wall))
+
+
+class CpuTrace(CpuMeter):
+    """A CpuMeter that also snapshots the tree every `every_s` seconds, so that the last part of its window can be
+    read afterwards (`usage_of_last`): for a load client that is a program of its own, whose start-up (imports,
+    tokenizer) must not count as the server's idle time and which alone reports how long its load ran."""
+
+    def __init__(self, root: int | None = None, exclude: frozenset[int] = frozenset(), every_s: float = 0.25):
+        super().__init__(root, exclude)
+        self.every_s = every_s
+        self._trace: list[tuple[float, dict[tuple[int, int], int]]] = []
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._trace.append((time.perf_counter(), self._snapshot()[0]))
+
+    def __enter__(self) -> CpuTrace:
+        super().__enter__()
+        self._trace = [(self._t0, self._before)]
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        end = time.perf_counter()
+        after, self._allowed, self._processes = self._snapshot()
+        self._trace.append((end, after))
+        self.usage = _usage(self._before, after, end - self._t0, self._allowed, self._processes)
+
+    def usage_of_last(self, seconds: float) -> CpuUsage:
+        """What the tree used from the last snapshot taken at least `seconds` before the window's end (the whole
+        window when it is shorter) to its end."""
+        end, after = self._trace[-1]
+        start, before = next(((t, ticks) for t, ticks in reversed(self._trace) if t <= end - seconds), self._trace[0])
+        return _usage(before, after, end - start, self._allowed, self._processes)

@@ -9,7 +9,7 @@ from typing import Any
 
 from harness.experiments.online_sweep.params import Params
 from harness.integrations.assets import essay_files
-from harness.measuring.cpu_usage import CpuMeter
+from harness.measuring.cpu_usage import CpuTrace
 from harness.measuring.loadgen import Prompt, arrival_times, run_load
 from harness.measuring.servers import Server, start_server, wait_idle
 from harness.measuring.serving_stats import summarize as serving_stats
@@ -102,12 +102,16 @@ def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: Cel
                 if (rate, client) in todo:
                     assert server is not None
                     wait_idle(server)
-                    with CpuMeter(server.process.pid) as meter:      # the server's whole process tree
+                    # the server's whole process tree, over the load's own window: `vllm bench serve` spends
+                    # seconds starting up (imports, tokenizer) while the server idles, and only it knows how long
+                    # its load ran
+                    with CpuTrace(server.process.pid) as meter:
                         if client == "harness":
                             result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
                         else:
                             result = run_vllm_bench(server, run, rate, store)
-                    result["cpu"] = meter.usage.as_dict() if meter.usage else None
+                    usage = meter.usage if client == "harness" else meter.usage_of_last(result["summary"]["duration"])
+                    result["cpu"] = usage.as_dict() if usage else None
                     atomic_write_json(path, result)
                     s = result["summary"]
                     log.info("rate %g, %s, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate,
