@@ -1,5 +1,6 @@
 """DuoAttention-style gate profiler: samples, streaming mask, schedule, and a short training run on the tiny model."""
 import json
+import logging
 import random
 
 import torch
@@ -42,7 +43,8 @@ def test_samples_put_passkeys_in_order_and_the_qa_block_last(tokenizer_dir):
     assert span.stop == len(ids)
 
 
-def test_gates_train_and_become_an_lserve_profile(tiny_llama_dir, tmp_path):
+def test_gates_train_and_become_an_lserve_profile(tiny_llama_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvharness")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="config", overrides=[
             "+exp=duo_attention", f"model.path={tiny_llama_dir}", "model.name=tiny", f"results_dir={tmp_path}",
@@ -55,6 +57,7 @@ def test_gates_train_and_become_an_lserve_profile(tiny_llama_dir, tmp_path):
     assert gates.shape == (2, 2) and bool((gates < 1).all()) and bool((gates >= 0).all())   # L1 pulls them down
     # the L1 term alone would move every gate alike: distinct gates show the distillation gradient reached them
     assert len(set(gates.flatten().tolist())) > 1
+    assert "gate training: step 4/4" in caplog.text          # hours on a CPU: training reports its progress
     profile = json.loads((tmp_path / "duo_attention" / "profile_lserve.json").read_text())
     assert profile["kind"] == "lserve" and profile["head_scores"] == metrics["gates"]
     md = (tmp_path / "duo_attention" / "summary.md").read_text()

@@ -20,6 +20,7 @@ its sparsity quantile, as DuoAttention and LServe split them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from systems.policies import policy_class
 from systems.policy_support import profiles
 from tasks import ruler_data
 
+log = logging.getLogger("kvharness")
 POLICY = "lserve"       # the policy whose streaming heads the gates choose (its profile_schema checks the file)
 
 
@@ -100,7 +102,18 @@ class DuoAttention(Experiment[Params]):
         started = time.perf_counter()
         pool = build_pool(model, tokenizer, haystack, lengths, p, rng)
         teacher_s = time.perf_counter() - started
-        gates, history = train_gates(model, pool, p, rng)
+        trained = time.perf_counter()
+
+        def on_step(entry: dict) -> None:
+            run.advance(1)
+            done = entry["step"] + 1
+            if done % 10 == 0 or done == p["steps"]:
+                spent = time.perf_counter() - trained
+                log.info("gate training: step %d/%d, distillation loss %.4f, mean gate %.3f, %.0f s so far, about "
+                         "%.0f s left", done, p["steps"], entry["distill"], entry["mean_gate"], spent,
+                         spent / done * (p["steps"] - done))
+
+        gates, history = train_gates(model, pool, p, rng, on_step)
         return {"gates": gates.tolist(), "history": history, "teacher_seconds": teacher_s,
                 "train_seconds": time.perf_counter() - started - teacher_s, "lengths": lengths,
                 "sample_tokens": [len(x) for x, *_ in pool]}

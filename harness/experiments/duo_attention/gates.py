@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,8 +94,10 @@ def build_pool(model: LlamaModel, tokenizer: Any, haystack: list[int], lengths: 
     return pool
 
 
-def train_gates(model: LlamaModel, pool: list[tuple], p: dict, rng: random.Random) -> tuple[torch.Tensor, list[dict]]:
-    """Train one gate per (layer, KV head) on the pool; returns the clamped gates and the per-step history."""
+def train_gates(model: LlamaModel, pool: list[tuple], p: dict, rng: random.Random,
+                on_step: Callable[[dict], None] | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Train one gate per (layer, KV head) on the pool; returns the clamped gates and the per-step history.
+    `on_step` gets each step's history entry as it ends (progress: a CPU run takes hours)."""
     spec = model.spec
     scale = spec.head_dim ** -0.5
     group = spec.num_q_heads // spec.num_kv_heads
@@ -119,6 +122,8 @@ def train_gates(model: LlamaModel, pool: list[tuple], p: dict, rng: random.Rando
         schedule.step()
         history.append({"step": step, "distill": float(distill.detach()),
                         "mean_gate": float(gates.detach().clamp(0, 1).mean())})
+        if on_step is not None:
+            on_step(history[-1])
     with torch.no_grad():
         gates.clamp_(0, 1)
     return gates.detach(), history
