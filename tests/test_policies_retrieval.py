@@ -154,3 +154,11 @@ def test_lserve_streaming_split_takes_the_global_low_quantile():
     assert streaming_split(scores, 0.0) == []
     ties = torch.zeros(2, 2)                                          # the seeded noise still splits ties in half
     assert len(streaming_split(ties, 0.5)) == 2
+
+
+def test_lserve_streaming_split_over_the_layers_it_manages():
+    from systems.policies.lserve import streaming_split
+    # a hybrid model's windowed layer 1 holds the lowest scores: over all layers they would take the streaming half
+    scores = torch.tensor([[0.9, 0.1, 0.5], [0.0, 0.0, 0.0], [0.2, 0.8, 0.3]])
+    assert sorted(streaming_split(scores, 0.5)) == [(0, 1), (1, 0), (1, 1), (1, 2)]
+    assert sorted(streaming_split(scores, 0.5, [0, 2])) == [(0, 1), (2, 0), (2, 2)]

@@ -132,8 +132,8 @@ class LServe(Policy):
         if tuple(scores.shape) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"lserve profile {path} scores {tuple(scores.shape)} heads, the model has "
                              f"{kv.num_layers} x {kv.num_kv_heads}; profile this model")
-        managed = list(self.managed_layers)     # the sparsity quantile is over the heads it manages
-        return [(managed[layer], head) for layer, head in streaming_split(scores[managed], self.sparsity)]
+        # the sparsity quantile is over the heads it manages
+        return streaming_split(scores, self.sparsity, list(self.managed_layers))
 
     def _kept_pages(self, pages: int) -> int:
         return min(pages, self.sink_pages + self.local_pages + 1)
@@ -267,12 +267,16 @@ class LServe(Policy):
         return stats
 
 
-def streaming_split(scores: torch.Tensor, sparsity: float, seed: int = 0) -> list[tuple[int, int]]:
-    """LServe's split: heads below the global `sparsity` quantile of scores (+ uniform noise in [0, 1e-6]) stream."""
-    noise = torch.rand(scores.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1e-6
-    noisy = scores.double() + noise
+def streaming_split(scores: torch.Tensor, sparsity: float, layers: list[int] | None = None,
+                    seed: int = 0) -> list[tuple[int, int]]:
+    """LServe's split: heads below the global `sparsity` quantile of scores (+ uniform noise in [0, 1e-6]) stream.
+    `layers` (default all): the layers the quantile is taken over; the others stream nothing."""
+    layers = list(range(scores.shape[0])) if layers is None else layers
+    picked = scores[layers]
+    noise = torch.rand(picked.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 1e-6
+    noisy = picked.double() + noise
     threshold = torch.quantile(noisy.flatten(), sparsity)
-    return [(int(layer), int(head)) for layer, head in (noisy < threshold).nonzero().tolist()]
+    return [(layers[layer], int(head)) for layer, head in (noisy < threshold).nonzero().tolist()]
 
 
 POLICY = LServe

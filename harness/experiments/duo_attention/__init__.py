@@ -139,23 +139,31 @@ class DuoAttention(Experiment[Params]):
         if p["ship"]:
             profiles.save_profile(profiles.profile_path(POLICY, run.cfg.model.name, p["profile_task"]), profile,
                                   schema)
-        return write_summary(run, metrics, p)
+        managed = [layer for layer, window in enumerate(spec.layer_windows) if window is None] \
+            or list(range(spec.num_layers))
+        return write_summary(run, metrics, p, managed)
 
 
-def write_summary(run: Run[Params], metrics: dict, p: dict) -> dict[str, str]:
+def write_summary(run: Run[Params], metrics: dict, p: dict, managed: list[int]) -> dict[str, str]:
+    """`managed`: the layers LServe acts on (a hybrid model's full-attention layers; its sliding-window layers are
+    left to their window), over which its sparsity quantile splits the heads, as the policy does."""
     from systems.policies.lserve import streaming_split
 
     out_dir = run.out_dir
     gates = torch.tensor(metrics["gates"])
-    streaming = streaming_split(gates, p["sparsity"])
-    per_layer = [sum(1 for layer, _ in streaming if layer == i) for i in range(gates.shape[0])]
+    streaming = streaming_split(gates, p["sparsity"], managed)
+    per_layer = [sum(1 for layer, _ in streaming if layer == i) if i in managed else "(window)"
+                 for i in range(gates.shape[0])]
+    over = "" if len(managed) == gates.shape[0] else f" of the {len(managed) * gates.shape[1]} on its full-attention " \
+        f"layers {', '.join(map(str, managed))}"
     hist = metrics["history"]
     summary = run.summary(envs=[metrics["_env"]] if metrics.get("_env") else None)
     summary.glance(f"{gates.numel()} gates trained for {p['steps']} steps in {metrics['train_seconds'] / 60:.0f} min "
                    f"(+ {metrics['teacher_seconds'] / 60:.1f} min of teacher states); mean gate "
                    f"{float(gates.mean()):.2f}, {int((gates < 0.01).sum())} below 0.01 and "
                    f"{int((gates > 0.99).sum())} above 0.99; at sparsity {p['sparsity']} LServe streams "
-                   f"{len(streaming)} heads; distillation loss {hist[0]['distill']:.4f} → {hist[-1]['distill']:.4f}.")
+                   f"{len(streaming)} heads{over}; distillation loss {hist[0]['distill']:.4f} → "
+                   f"{hist[-1]['distill']:.4f}.")
     summary.section("Training settings (DuoAttention's, scaled to 2 CPU cores)").table(
         ["setting", "value"], [[k, str(p[k])] for k in (*TRAINING, "sparsity")]
         + [["haystack lengths (tokens)", ", ".join(map(str, metrics["lengths"]))],
