@@ -42,19 +42,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
     const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_pool.data_ptr());
     const float sc = static_cast<float>(scale);
-    kvh::parallel_tasks(rows, [&](auto next) {
-      for (int64_t i; (i = next()) < rows;) {
-        const uint16_t* qi = qp + i * G * D;
-        float* oi = op + i * G * D;
-        if (D == 64) {
-          if (ls.selected) attend_head_bf16<64>(qi, G, sc, kp, vp, ls.chosen(i), P, oi);
-          else attend_head_bf16<64>(qi, G, sc, kp, vp, ls.all(i), P, oi);
-        } else {
-          if (ls.selected) attend_head_bf16<128>(qi, G, sc, kp, vp, ls.chosen(i), P, oi);
-          else attend_head_bf16<128>(qi, G, sc, kp, vp, ls.all(i), P, oi);
-        }
-      }
-    });
+    if (D == 64) run_bf16<64>(qp, G, sc, kp, vp, ls, rows, op);
+    else run_bf16<128>(qp, G, sc, kp, vp, ls, rows, op);
     return out.to(q.scalar_type());
   }
 #endif

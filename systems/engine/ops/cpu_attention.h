@@ -4,8 +4,9 @@
 // Why a kernel: on a CPU the torch path either gathers the pages (an extra copy of every K/V byte) or runs one small
 // matmul per (sequence, page run) with ~100 us of framework overhead each. Here every (sequence, KV head) reads its
 // pages in place through the block table, converts bf16 to fp32 in registers, and keeps an online softmax (running
-// max, sum, fp32 accumulator) per query head, so K and V are each read exactly once; without AVX512-BF16 its pages
-// go in fixed splits to the threads (cpu_attend_split.h).
+// max, sum, fp32 accumulator) per query head, so K and V are each read exactly once. A row's pages go in fixed
+// splits to the threads, combined in order (run_splits): a batch-1 step's few rows keep every core reading, and the
+// bits depend on neither the batch nor the thread count. Without AVX512-BF16 the split kernel is cpu_attend_split.h.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -68,10 +69,11 @@ struct SelectedPages {
 #ifdef KVH_HAVE_AVX512_BF16
 
 // bf16 pools on CPUs with AVX512-BF16, 16 tokens at a time: q.k by vdpbf16ps straight from the stored page (the
-// 16 dot products reduced together by sum16), softmax update on one register, p.v by fp32 FMAs.
+// 16 dot products reduced together by sum16), softmax update on one register, p.v by fp32 FMAs. One split of a
+// row: its pages [j0, j1) -> part = {running max [G], sum [G], accumulator [G, D] not yet divided by the sum}.
 template <int D, typename Pages>
-void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_pool, const uint16_t* v_pool,
-                      const Pages& list, int P, float* out) {
+void attend_split_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_pool, const uint16_t* v_pool,
+                       const Pages& list, int64_t j0, int64_t j1, float* part) {
   constexpr int NB = D / 32;  // 32 bf16 per register
   constexpr int NV = D / 16;  // 16 fp32 per register
   __m512bh qv[kMaxGroup][NB];
@@ -86,14 +88,13 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
     m[g] = -INFINITY;
     l[g] = 0.0f;
   }
-  const int64_t pages = list.count();
   int64_t token = 0, next_token = 0;
   int valid = 0, next_valid = 0;
-  if (pages) list.at(0, &next_token, &next_valid);
-  for (int64_t j = 0; j < pages; ++j) {
+  if (j0 < j1) list.at(j0, &next_token, &next_valid);
+  for (int64_t j = j0; j < j1; ++j) {
     token = next_token;
     valid = next_valid;
-    if (j + 1 < pages) {  // prefetch the next page: pages are scattered blocks, beyond the hardware prefetcher
+    if (j + 1 < j1) {  // prefetch the next page: pages are scattered blocks, beyond the hardware prefetcher
       list.at(j + 1, &next_token, &next_valid);
       if (next_valid > 0) {
         const int64_t next = next_token * D;
@@ -148,8 +149,35 @@ void attend_head_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_p
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    part[g] = m[g];
+    part[G + g] = l[g];
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(part + 2 * G + g * D + c * 16, acc[g][c]);
+  }
+}
+
+// A row's output [G, D] from its splits' parts, combined in split order. A row of one split is its softmax as the
+// kernel keeps it (the split's weight exp(0) is exactly 1), so short rows have the bits of an unsplit kernel.
+template <int D>
+void combine_splits_bf16(const float* parts, int64_t splits, int G, float* out) {
+  constexpr int NV = D / 16;
+  const int64_t stride = 2 * G + G * D;
+  for (int g = 0; g < G; ++g) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < splits; ++s) mx = std::max(mx, parts[s * stride + g]);
+    float lsum = 0.0f;
+    __m512 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < splits; ++s) {
+      const float* ps = parts + s * stride;
+      if (ps[g] == -INFINITY) continue;  // nothing read in this split
+      const float w = exp_nonpos(ps[g] - mx);
+      lsum = lsum + ps[G + g] * w;
+      const __m512 wv = _mm512_set1_ps(w);
+      for (int c = 0; c < NV; ++c)
+        acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(ps + 2 * G + g * D + c * 16), wv, acc[c]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / lsum);
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(acc[c], inv));
   }
 }
 #endif
@@ -184,22 +212,17 @@ struct Listing {
 // Rows q [rows, G, D] (fp32, pre-scaled) over their listed pages -> out [rows, G, D]: every row cut into splits of
 // kSplitTokens / P pages (at least one; fixed by its page count), the splits shared by the threads, then each row's
 // splits combined in order (cpu_attend_split.h).
-template <typename T, int D>
-void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G, float* out) {
-  constexpr int V = D / 8;
-  const int64_t per_split = std::max<int64_t>(1, kSplitTokens / ls.P), stride = 2 * G + G * D;
+// Every row cut into splits of kSplitTokens / P pages (at least one; fixed by its page count), the splits shared
+// by the threads: attend(i, j0, j1, part) runs pages [j0, j1) of row i into its part (`stride` floats), and whoever
+// ends a row's last split runs combine(i, parts, splits) over them all, in split order (one parallel region).
+template <typename Attend, typename Combine>
+void run_splits(const Listing& ls, int64_t rows, int64_t stride, const Attend& attend, const Combine& combine) {
+  const int64_t per_split = std::max<int64_t>(1, kSplitTokens / ls.P);
   std::vector<int64_t> first(static_cast<size_t>(rows + 1), 0);  // row i's splits: [first[i], first[i + 1])
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t pages = ls.selected ? ls.K : ls.all(i).count();
     first[i + 1] = first[i] + std::max<int64_t>(1, (pages + per_split - 1) / per_split);
   }
-  std::vector<attn_vf> qv(static_cast<size_t>(rows * G * V));   // q in the pair order of the pool's chunks
-  for (int64_t r = 0; r < rows * G; ++r)
-    for (int c = 0; c < D / 16; ++c)
-      for (int i = 0; i < 16; ++i) {
-        const int slot = pair_slot<T>(i);
-        qv[r * V + 2 * c + slot / 8][slot % 8] = q[r * D + c * 16 + i];
-      }
   std::vector<float> parts(static_cast<size_t>(first[rows] * stride));
   std::vector<std::atomic<int64_t>> left(static_cast<size_t>(rows));  // splits of each row still running
   for (int64_t i = 0; i < rows; ++i) left[i].store(first[i + 1] - first[i], std::memory_order_relaxed);
@@ -208,20 +231,59 @@ void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int6
     for (int64_t t; (t = next()) < tasks;) {
       const int64_t i = std::upper_bound(first.begin(), first.end(), t) - first.begin() - 1;
       const int64_t j0 = (t - first[i]) * per_split;
-      const attn_vf* qi = qv.data() + i * G * V;
-      float* part = parts.data() + t * stride;
-      if (ls.selected) {
-        attend_split<T, D>(qi, G, k, v, ls.chosen(i), j0, std::min(ls.K, j0 + per_split), part);
-      } else {
-        const AllPages all = ls.all(i);
-        attend_split<T, D>(qi, G, k, v, all, j0, std::min(all.count(), j0 + per_split), part);
-      }
-      // whoever ends a row's last split combines them all, in split order (one parallel region per call)
+      attend(i, j0, j0 + per_split, parts.data() + t * stride);
       if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        combine_splits<T, D>(parts.data() + first[i] * stride, first[i + 1] - first[i], G, out + i * G * D);
+        combine(i, parts.data() + first[i] * stride, first[i + 1] - first[i]);
     }
   });
 }
+
+template <typename T, int D>
+void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G, float* out) {
+  constexpr int V = D / 8;
+  std::vector<attn_vf> qv(static_cast<size_t>(rows * G * V));   // q in the pair order of the pool's chunks
+  for (int64_t r = 0; r < rows * G; ++r)
+    for (int c = 0; c < D / 16; ++c)
+      for (int i = 0; i < 16; ++i) {
+        const int slot = pair_slot<T>(i);
+        qv[r * V + 2 * c + slot / 8][slot % 8] = q[r * D + c * 16 + i];
+      }
+  run_splits(
+      ls, rows, 2 * G + G * D,
+      [&](int64_t i, int64_t j0, int64_t j1, float* part) {
+        const attn_vf* qi = qv.data() + i * G * V;
+        if (ls.selected) {
+          attend_split<T, D>(qi, G, k, v, ls.chosen(i), j0, std::min(ls.K, j1), part);
+        } else {
+          const AllPages all = ls.all(i);
+          attend_split<T, D>(qi, G, k, v, all, j0, std::min(all.count(), j1), part);
+        }
+      },
+      [&](int64_t i, const float* parts, int64_t splits) {
+        combine_splits<T, D>(parts, splits, G, out + i * G * D);
+      });
+}
+
+#ifdef KVH_HAVE_AVX512_BF16
+template <int D>
+void run_bf16(const uint16_t* q, int G, float scale, const uint16_t* k, const uint16_t* v, const Listing& ls,
+              int64_t rows, float* out) {
+  run_splits(
+      ls, rows, 2 * G + G * D,
+      [&](int64_t i, int64_t j0, int64_t j1, float* part) {
+        const uint16_t* qi = q + i * G * D;
+        if (ls.selected) {
+          attend_split_bf16<D>(qi, G, scale, k, v, ls.chosen(i), j0, std::min(ls.K, j1), part);
+        } else {
+          const AllPages all = ls.all(i);
+          attend_split_bf16<D>(qi, G, scale, k, v, all, j0, std::min(all.count(), j1), part);
+        }
+      },
+      [&](int64_t i, const float* parts, int64_t splits) {
+        combine_splits_bf16<D>(parts, splits, G, out + i * G * D);
+      });
+}
+#endif
 
 template <typename T>
 void dispatch_generic(int64_t D, const float* q, const T* k, const T* v, const Listing& ls, int64_t rows, int G,
@@ -246,19 +308,8 @@ void attend_rows(const T* q, int64_t rows, int G, int64_t D, float scale, const 
 #ifdef KVH_HAVE_AVX512_BF16
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (D == 64 || D == 128) {
-      parallel_tasks(rows, [&](auto next) {
-        for (int64_t i; (i = next()) < rows;) {
-          const uint16_t* qi = q + i * G * D;
-          float* oi = out + i * G * D;
-          if (D == 64) {
-            if (ls.selected) attend_head_bf16<64>(qi, G, scale, k_pool, v_pool, ls.chosen(i), ls.P, oi);
-            else attend_head_bf16<64>(qi, G, scale, k_pool, v_pool, ls.all(i), ls.P, oi);
-          } else {
-            if (ls.selected) attend_head_bf16<128>(qi, G, scale, k_pool, v_pool, ls.chosen(i), ls.P, oi);
-            else attend_head_bf16<128>(qi, G, scale, k_pool, v_pool, ls.all(i), ls.P, oi);
-          }
-        }
-      });
+      if (D == 64) run_bf16<64>(q, G, scale, k_pool, v_pool, ls, rows, out);
+      else run_bf16<128>(q, G, scale, k_pool, v_pool, ls, rows, out);
       return;
     }
   }
