@@ -100,42 +100,11 @@ def test_accumulated_attention_brute_force(qk, agg):
     assert torch.allclose(got, torch.tensor(_group(rows, agg)), atol=1e-5)
 
 
-def test_last_query_and_decode_attention_brute_force(qk):
+def test_last_query_attention_brute_force(qk):
     q, k = qk
     rows = [_softmax_row(q, k, h, N - 1, list(range(N))) for h in range(HQ)]
     expect = torch.tensor([sum(r[j] for r in rows) / HQ for j in range(N)])
     assert torch.allclose(ind.last_query_attention(q, k, SCALE), expect, atol=1e-6)
-    # decode: batch of 2, head 1 of sequence 0 holds only 7 tokens
-    kb = torch.stack([k.transpose(0, 1), k.flip(0).transpose(0, 1)])          # [2, Hkv, N, D]
-    counts = torch.tensor([[N, 7], [N, N]])
-    qb = torch.stack([q[-1], q[-2]])
-    got = ind.decode_attention(qb, kb, counts, SCALE)
-    for b in range(2):
-        for h in range(HQ):
-            n = int(counts[b, h // G])
-            logits = [float(qb[b, h] @ kb[b, h // G, j]) * SCALE for j in range(n)]
-            e = torch.tensor(logits, dtype=torch.float64).softmax(0)
-            assert torch.allclose(got[b, h, :n].double(), e, atol=1e-6)
-            assert bool((got[b, h, n:] == 0).all())
-
-
-def test_decode_attention_does_not_depend_on_the_batch():
-    """Eviction decisions compare these probabilities, so a sequence's row must be bit-identical alone and beside
-    longer sequences (batch-invariant decoding)."""
-    g = torch.Generator().manual_seed(3)
-    hkv, group, d = 3, 3, 64
-    lengths = [37, 301, 129]
-    keys = [torch.randn(hkv, n, d, generator=g) for n in lengths]
-    qs = torch.randn(len(lengths), hkv * group, d, generator=g)
-    width = max(lengths)
-    kb = torch.zeros(len(lengths), hkv, width, d)
-    for i, kk in enumerate(keys):
-        kb[i, :, :kk.shape[1]] = kk
-    counts = torch.tensor([[n] * hkv for n in lengths])
-    together = ind.decode_attention(qs, kb, counts, SCALE)
-    for i, n in enumerate(lengths):
-        alone = ind.decode_attention(qs[i:i + 1], keys[i].unsqueeze(0), counts[i:i + 1], SCALE)
-        assert torch.equal(together[i, :, :n], alone[0]) and bool((together[i, :, n:] == 0).all())
 
 
 def test_top_keep_and_pool_lengths():

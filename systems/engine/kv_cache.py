@@ -248,6 +248,12 @@ class TieredKVCache(TierCopies, WindowRelease):
         pad = (torch.arange(n, device=self.device).view(1, 1, n) >= counts.view(B, H, 1)).unsqueeze(-1)
         return k.masked_fill(pad, 0), v.masked_fill(pad, 0), counts.long()
 
+    def attention_probs(self, slots: torch.Tensor, layer: int | torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        counts = self.num_tokens[slots, layer]                          # [R, Hkv]
+        width = int(counts.max()) if counts.numel() else 0
+        tables = self.block_table[slots, layer, :, :max(1, -(-width // self.page_size))]
+        return self.ops.token_probs(q, self.k_pool, tables, counts, self.scale, width)
+
     def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
                     width: int | None = None) -> torch.Tensor:
         counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]

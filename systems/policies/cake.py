@@ -233,12 +233,12 @@ class Cake(Policy):
         if over.numel() == 0:
             return
         sub, at = slots[over], step.rows_at(over)
-        k, counts = ind.stored_keys(kv, sub, at)
-        probs = ind.decode_attention(step.q[over], k, counts, kv.scale)     # [B, Hq, N]
-        b, hkv, n = k.shape[:3]
+        probs = kv.attention_probs(sub, at, step.q[over])                   # [B, Hq, N]
+        counts = kv.num_tokens[sub, at].long()
+        (b, hkv), n = counts.shape, probs.shape[-1]
         g = probs.shape[1] // hkv
         rows = sub.long()
-        ranks = torch.arange(n, device=k.device)
+        ranks = torch.arange(n, device=probs.device)
         valid = ranks.view(1, 1, n) < counts.view(b, hkv, 1)
         if self.decode_pool_order == "storage":
             key = self.ledger.scores[rows, at, :, :n]
@@ -258,7 +258,7 @@ class Cake(Policy):
             new_rank = torch.empty_like(desc).scatter_(-1, desc, every)
             rank_key = torch.where(outside, every, new_rank)
             self.ledger.scores[rows, at, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
-        heads = torch.arange(hkv, device=k.device).expand(b, hkv)
+        heads = torch.arange(hkv, device=probs.device).expand(b, hkv)
         self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), step.rows_at(over, hkv), heads.reshape(-1),
                          index.reshape(-1))
 

@@ -49,9 +49,8 @@ class H2O(ScoreAndKeep):
     def prefill_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return ind.accumulated_attention(q, k, kv.scale, self.aggregation)
 
-    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, k: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
-        probs = ind.decode_attention(step.q[rows], k, counts, kv.scale)          # [R, Hq, N], 0 on padding
+    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor) -> torch.Tensor:
+        probs = kv.attention_probs(step.slots[rows], step.rows_at(rows), step.q[rows])   # [R, Hq, N], 0 on padding
         return ind.group_reduce(probs.transpose(0, 1), kv.num_kv_heads, self.aggregation).transpose(0, 1)
 
     def extend_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from systems.policy_support.score_and_keep import ScoreAndKeep
 class TOVA(ScoreAndKeep):
     name = "tova"
 
-    rows_scored_alone = True    # decode_scores: each row's own attention (ind.decode_attention runs row by row)
+    rows_scored_alone = True    # decode_scores: each row's own attention (kv.attention_probs scores rows alone)
 
     budget: int = 512           # cache_size: tokens per layer (every KV head the same), nothing forced
 
@@ -32,9 +32,9 @@ class TOVA(ScoreAndKeep):
     def prefill_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return ind.last_query_attention(q, k, kv.scale)                        # [n]: the same for every KV head
 
-    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, k: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
-        return ind.decode_attention(step.q[rows], k, counts, kv.scale).mean(1)  # [R, N]; padding scores 0
+    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor) -> torch.Tensor:
+        probs = kv.attention_probs(step.slots[rows], step.rows_at(rows), step.q[rows])     # [R, Hq, N]
+        return probs.mean(1)                                                    # [R, N]; padding scores 0
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         return {**super().kv_stats(kv, seq), "budget_tokens_per_layer": self.budget, "window_counted": False}

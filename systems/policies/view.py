@@ -127,6 +127,12 @@ class KVView(KVDims, Protocol):
         """(k, v, counts) of the given sequences' resident tokens in storage order: k, v [B, Hkv, N, D] (N = the
         largest count, padding zeroed), counts [B, Hkv] int64. Reads device pages; a non-resident page reads zeros."""
 
+    def attention_probs(self, slots: torch.Tensor, layer: int | torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """The decode queries' attention over every token their KV heads hold (every page resident), in storage
+        order, for a decode-time eviction's scores: q [R, Hq, D] of the rows (slots[i], layer or layer[i]) ->
+        fp32 [R, Hq, N] (N = the most tokens a listed head holds), exactly 0 past a head's count. Each row is
+        computed alone: its probabilities depend on neither the other rows nor the thread count."""
+
     def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
                     width: int | None = None) -> torch.Tensor:
         """Quest upper bounds from the MinMax cache, every page resident or not: [B, H, W] fp32 for the KV heads

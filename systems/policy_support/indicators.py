@@ -128,25 +128,6 @@ def last_query_attention(q: torch.Tensor, k: torch.Tensor, scale: float) -> torc
     return _grouped_logits(q[-1:], k, scale)[:, 0].softmax(-1).mean(0)
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
-    """The new token's attention over each head's stored tokens: q [B, Hq, D], k [B, Hkv, N, D] (storage order, rows
-    padded past counts [B, Hkv]) -> probabilities [B, Hq, N], exactly 0 on padding."""
-    b, hq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    out = q.new_zeros(b, hq, n, dtype=torch.float32)
-    # one sequence at a time, each over its own stored length: a batched matmul and softmax over the batch's padded
-    # width round differently as the batch changes, and a near-tie between eviction candidates would then be
-    # decided by which other requests share the step (decoding must not depend on batch composition)
-    for i in range(b):
-        m = int(counts[i].max())
-        if m == 0:
-            continue
-        logits = q[i].float().view(hkv, hq // hkv, d) @ k[i, :, :m].float().transpose(-1, -2) * scale  # [Hkv, G, m]
-        pad = torch.arange(m, device=k.device).view(1, 1, m) >= counts[i].view(hkv, 1, 1)
-        out[i, :, :m] = logits.masked_fill(pad, float("-inf")).softmax(-1).view(hq, m)
-    return out
-
-
 def stored_keys(kv: Any, slots: torch.Tensor, layer: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(k, counts) exactly as kv.gather_tokens returns them (k [B, Hkv, N, D] in storage order, padding past counts
     [B, Hkv] zeroed), without gathering the values: a decode-time eviction score reads keys only, and it runs per

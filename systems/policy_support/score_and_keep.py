@@ -54,12 +54,13 @@ class ScoreAndKeep(FixedBudget):
         tokens before the window are compared. q [n, Hq, D], k [n, Hkv, D], post-RoPE."""
         raise NotImplementedError
 
-    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, k: torch.Tensor,
-                      counts: torch.Tensor) -> torch.Tensor:
+    def decode_scores(self, kv: KVView, step: DecodeStep, rows: torch.Tensor) -> torch.Tensor:
         """Worth of each stored token for the batch rows `rows` of the step: [R, Hkv, N] (or [R, N], shared by every
-        head), given their stored keys k [R, Hkv, N, D] and counts [R, Hkv]. Each row's scores must not depend on
-        the other rows (nor on padding past its counts): a deferred eviction's step holds the rows of every layer
-        (DecodeStep.layers; read the query as step.q[rows]). Not implemented: prefill-only."""
+        head), N = the most tokens a head of those rows holds (kv.num_tokens[step.slots[rows], step.rows_at(rows)]).
+        The rows are (step.slots[rows], step.rows_at(rows)) with queries step.q[rows]; read their tokens through
+        the view (kv.attention_probs: the new queries' attention; ind.stored_keys: the keys). Each row's scores must
+        not depend on the other rows (nor on padding past its counts): a deferred eviction's step holds the rows of
+        every layer (DecodeStep.layers). Not implemented: prefill-only."""
         raise NotImplementedError
 
     def extend_scores(self, kv: KVView, q: torch.Tensor, k: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,8 @@ class ScoreAndKeep(FixedBudget):
 
     def after_decode_step(self, kv: KVView, step: DecodeLayers) -> None:
         """after_append over every managed layer's rows at once, scored with each layer's own query: each row's
-        scores are computed alone (ind.decode_attention runs row by row) and a victim is each row's first minimum,
-        so neither depends on which rows share the pass."""
+        scores are computed alone (kv.attention_probs scores each row by itself) and a victim is each row's first
+        minimum, so neither depends on which rows share the pass."""
         if self.evicts_while_decoding():
             self.after_append(kv, step.rows(self.managed_layers))
 
@@ -155,8 +156,8 @@ class ScoreAndKeep(FixedBudget):
         if over.numel() == 0:
             return
         sub, hkv = step.slots[over], kv.num_kv_heads
-        k, counts = ind.stored_keys(kv, sub, step.rows_at(over))
-        score = self.decode_scores(kv, step, over, k, counts)
+        counts = kv.num_tokens[sub, step.rows_at(over)].long()
+        score = self.decode_scores(kv, step, over)
         n = score.shape[-1]
         if score.dim() == 2:                                          # one score per token, heads share storage
             valid = torch.arange(n, device=score.device).view(1, -1) < counts[:, :1]
@@ -171,8 +172,8 @@ class ScoreAndKeep(FixedBudget):
         slots, layer, led, hkv = step.slots, step.at, self.ledger, kv.num_kv_heads
         led.append(slots, layer, torch.tensor([s.seq_len - 1 for s in step.seqs], device=slots.device),
                    torch.zeros(len(slots), hkv, device=slots.device))
-        k, counts = ind.stored_keys(kv, slots, layer)
-        score = self.decode_scores(kv, step, torch.arange(len(slots), device=slots.device), k, counts)
+        counts = kv.num_tokens[slots, layer].long()
+        score = self.decode_scores(kv, step, torch.arange(len(slots), device=slots.device))
         n = score.shape[-1]
         s = slots.long()
         led.scores[s, layer, :, :n] += score if score.dim() == 3 else score.unsqueeze(1)

@@ -11,7 +11,8 @@ from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
 _FUNCTIONS = {
     "kv": ("store_kv", "update_minmax", "page_minmax"),
-    "attention": ("prompt_attention", "paged_decode_attention", "sparse_decode_attention", "gather_selected"),
+    "attention": ("prompt_attention", "paged_decode_attention", "sparse_decode_attention", "gather_selected",
+                  "token_probs"),
     "scoring": ("page_scores", "top_pages", "resident_pages"),
 }
 

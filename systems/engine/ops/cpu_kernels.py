@@ -15,7 +15,8 @@ import torch
 from systems.engine.ops import torch_attention, torch_scoring
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp",
-                                                       "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp")]
+                                                       "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp",
+                                                       "cpu_token_probs.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
@@ -189,6 +190,16 @@ def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return torch.ops.kvharness_cpu.decode_attention(q, k_pool, v_pool, block_table.to(torch.int32),
                                                     num_tokens.to(torch.int32), selected_pages, float(scale),
                                                     window or 0)
+
+
+def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, scale: float,
+                width: int) -> torch.Tensor:
+    """Same contract as torch_attention.token_probs; one task per (row, KV head), keys read in place."""
+    if (k_pool.dtype not in (torch.bfloat16, torch.float32) or not k_pool.is_contiguous() or not available()
+            or not hasattr(torch.ops.kvharness_cpu, "token_probs")):
+        return torch_attention.token_probs(q, k_pool, tables, counts, scale, width)
+    return torch.ops.kvharness_cpu.token_probs(q, k_pool, tables.to(torch.int32), counts.to(torch.int32),
+                                               float(scale), int(width))
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,

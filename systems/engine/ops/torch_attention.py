@@ -114,3 +114,26 @@ def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
         skip = torch.where(lowest == first // P, first % P, 0)                  # listed first after the sort
     table, counts = gather_selected(block_table, num_tokens, selected_pages, P)
     return _listed_attention(q, k_pool, v_pool, table, counts, scale, skip)
+
+
+def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, scale: float,
+                width: int) -> torch.Tensor:
+    """Each row's decode query's attention over every token its KV heads hold, in storage order (the scores of a
+    decode-time eviction): q [R, Hq, D]; tables [R, Hkv, M] int32 blocks, every listed page resident; counts
+    [R, Hkv] -> fp32 [R, Hq, width], 0 past a head's count. Query head h reads KV head h // (Hq // Hkv)."""
+    r, hq, d = q.shape
+    hkv, m = tables.shape[1], tables.shape[2]
+    P = k_pool.shape[1]
+    k = k_pool.index_select(0, tables.reshape(-1).long()).view(r, hkv, m * P, d)
+    out = q.new_zeros(r, hq, width, dtype=torch.float32)
+    # one row at a time, each over its own stored length: a batched matmul and softmax over the batch's padded
+    # width round differently as the batch changes, and a near-tie between eviction candidates would then be
+    # decided by which other requests share the step (decoding must not depend on batch composition)
+    for i in range(r):
+        n = int(counts[i].max())
+        if n == 0:
+            continue
+        logits = q[i].float().view(hkv, hq // hkv, d) @ k[i, :, :n].float().transpose(-1, -2) * scale  # [Hkv, G, n]
+        pad = torch.arange(n, device=k.device).view(1, 1, n) >= counts[i].view(hkv, 1, 1)
+        out[i, :, :n] = logits.masked_fill(pad, float("-inf")).softmax(-1).view(hq, n)
+    return out
