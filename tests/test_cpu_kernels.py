@@ -1,4 +1,4 @@
-"""The fused CPU kernels (ops/cpu_attention.cpp, cpu_scoring.cpp) against the torch references, fp32 and bf16."""
+"""The fused CPU kernels (ops/cpu_*.cpp) against the torch references, fp32 and bf16."""
 from __future__ import annotations
 
 import pytest
@@ -238,3 +238,26 @@ def test_a_killed_lock_holder_does_not_block_the_next_run(tmp_path):
                            "print(k.available())"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("True"), proc.stderr[-2000:]
     assert not (folder / "lock").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_prompt_equals_the_torch_path_bit_for_bit(dtype):
+    """Chunks of a prompt stored one after another (the first page shared by two chunks, a partial last page)
+    leave the same pools and MinMax bounds as the torch reference."""
+    from systems.engine.ops import torch_kv
+    assert cpu_kernels.available() and hasattr(torch.ops.kvharness_cpu, "store_prompt")
+    P, H, D, M = 16, 3, 64, 8
+    g = torch.Generator().manual_seed(0)
+    table = (torch.randperm(40, generator=g)[:H * M].view(H, M) + 1).int()
+    state = {}
+    for name, op in (("torch", torch_kv.store_prompt), ("cpu", cpu_kernels.store_prompt)):
+        pools = [torch.zeros(41, P, D, dtype=dtype) for _ in range(2)]
+        bounds = [torch.zeros(2, H, M, D, dtype=dtype)[1] for _ in range(2)]       # a strided (slot, layer) view
+        gen = torch.Generator().manual_seed(1)
+        start = 0
+        for n in (21, 40, 50):
+            k, v = (torch.randn(n, H, D, generator=gen).to(dtype) for _ in range(2))
+            op(*pools, *bounds, table[:, :-(-(start + n) // P)], k, v, start)
+            start += n
+        state[name] = pools + bounds
+    assert all(torch.equal(a, b) for a, b in zip(state["torch"], state["cpu"]))

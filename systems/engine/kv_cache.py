@@ -104,19 +104,12 @@ class TieredKVCache(TierCopies, WindowRelease):
                                   torch.full_like(heads, first))
         if end > have:
             self.block_table[slot, layer, :, have:end] = self._alloc_device(H * (end - have)).view(H, end - have)
-        ids = self.block_table[slot, layer, :, :end].long()
-        tok = torch.arange(start, start + n, device=self.device)
-        block_ids = ids[:, tok // P].reshape(-1)
-        offsets = (tok % P).repeat(H)
-        self.ops.store_kv(self.k_pool, self.v_pool, k.transpose(0, 1).reshape(H * n, D),
-                          v.transpose(0, 1).reshape(H * n, D), block_ids, offsets)
+        # the chunk's K/V into its pages and the MinMax bounds of every page it touched, in one op
+        self.ops.store_prompt(self.k_pool, self.v_pool, self.kmin[slot, layer], self.kmax[slot, layer],
+                              self.block_table[slot, layer, :, :end], k.to(self.dtype), v.to(self.dtype), start)
         self.num_tokens[slot, layer] = start + n
         if self.positions is not None:
             self.positions.stored(slot, layer, start, n)
-        if start == 0:
-            self.refresh_minmax(slot, layer)
-        else:
-            self.refresh_minmax(slot, layer, pages=range(first, end))
 
     def prompt_kv(self, slot: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n stored tokens' K and V [n, Hkv, D] of one layer (a prompt mid-prefill: all resident, in

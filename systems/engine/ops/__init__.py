@@ -10,7 +10,7 @@ import torch
 from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
 _FUNCTIONS = {
-    "kv": ("store_kv", "update_minmax", "page_minmax"),
+    "kv": ("store_kv", "update_minmax", "page_minmax", "store_prompt"),
     "attention": ("prompt_attention", "paged_decode_attention", "sparse_decode_attention", "gather_selected",
                   "token_probs"),
     "scoring": ("page_scores", "top_pages", "resident_pages"),
@@ -19,7 +19,7 @@ _FUNCTIONS = {
 
 def load_ops(device: torch.device | str) -> SimpleNamespace:
     """The op set for a device: Triton kernels on CUDA where a triton_<group> module provides them, the fused C++
-    kernels on CPU for attention and scoring (they fall back to torch when they cannot be built), torch otherwise."""
+    kernels on CPU where cpu_kernels has one (they fall back to torch when they cannot be built), torch otherwise."""
     torch_modules = {"kv": torch_kv, "attention": torch_attention, "scoring": torch_scoring}
     kind = torch.device(device).type
     chosen = {}
@@ -30,7 +30,7 @@ def load_ops(device: torch.device | str) -> SimpleNamespace:
                 fast_module = importlib.import_module(f"systems.engine.ops.triton_{group}")
             except ImportError:
                 fast_module = None
-        elif kind == "cpu" and group in ("attention", "scoring"):
+        elif kind == "cpu":
             fast_module = importlib.import_module("systems.engine.ops.cpu_kernels")
             fast_module.available()     # build (or fall back) now: a server's first request must not wait for it
         for name in names:

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
-from systems.engine.ops import torch_attention, torch_scoring
+from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp",
                                                        "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp",
-                                                       "cpu_token_probs.cpp")]
+                                                       "cpu_token_probs.cpp", "cpu_kv.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
@@ -190,6 +190,16 @@ def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     return torch.ops.kvharness_cpu.decode_attention(q, k_pool, v_pool, block_table.to(torch.int32),
                                                     num_tokens.to(torch.int32), selected_pages, float(scale),
                                                     window or 0)
+
+
+def store_prompt(k_pool: torch.Tensor, v_pool: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                 table: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    """Same contract as torch_kv.store_prompt; one call, the same values (copies, and exact mins and maxes)."""
+    if (k_pool.dtype not in (torch.bfloat16, torch.float32) or k.dtype != k_pool.dtype or v.dtype != k_pool.dtype
+            or kmin.dtype != k_pool.dtype or kmin.stride(-1) != 1 or not k_pool.is_contiguous() or not available()
+            or not hasattr(torch.ops.kvharness_cpu, "store_prompt")):
+        return torch_kv.store_prompt(k_pool, v_pool, kmin, kmax, table, k, v, start)
+    torch.ops.kvharness_cpu.store_prompt(k_pool, v_pool, kmin, kmax, table.to(torch.int32), k, v, int(start))
 
 
 def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, scale: float,

@@ -48,3 +48,22 @@ def page_minmax(k_pool: torch.Tensor, block_ids: torch.Tensor, n_tokens: torch.T
     kmin = torch.where(valid, pages, big).amin(dim=1)
     kmax = torch.where(valid, pages, -big).amax(dim=1)
     return kmin, kmax
+
+
+def store_prompt(k_pool: torch.Tensor, v_pool: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
+                 table: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    """In place: a prompt chunk's k, v [n, H, D] (positions start .. start+n-1 of one (sequence, layer)) written
+    into its heads' pages, and the MinMax bounds kmin, kmax [H, M, D] of every page the chunk touched recomputed
+    over the tokens each now holds. table: [H, >= pages through the chunk's end] device blocks, all resident."""
+    n, H, D = k.shape
+    P = k_pool.shape[1]
+    ids = table.long()
+    tok = torch.arange(start, start + n, device=k.device)
+    store_kv(k_pool, v_pool, k.transpose(0, 1).reshape(H * n, D), v.transpose(0, 1).reshape(H * n, D),
+             ids[:, tok // P].reshape(-1), (tok % P).repeat(H))
+    first, end = start // P, -(-(start + n) // P)
+    pages = torch.arange(first, end, device=k.device)
+    fill = (start + n - pages * P).clamp(max=P).repeat(H)
+    lo, hi = page_minmax(k_pool, ids[:, first:end].reshape(-1), fill)
+    kmin[:, first:end] = lo.view(H, end - first, D)
+    kmax[:, first:end] = hi.view(H, end - first, D)
