@@ -6,6 +6,7 @@ import itertools
 import pytest
 import torch
 
+from systems.engine.ops.torch_scoring import rank_scores
 from systems.policy_support import selection
 
 
@@ -58,7 +59,7 @@ def test_topk_with_last_matches_brute_force(k):
         assert set(row) == brute_topk_with_last(scores[b, h], int(num_pages[b, h]), k)
 
 
-def test_topk_per_sequence_takes_each_sequences_k_best_pages_last_page_included():
+def test_ranked_pages_take_each_sequences_k_best_pages_last_page_included():
     torch.manual_seed(3)
     B, H, M = 3, 2, 9
     scores = torch.randn(B, H, M)
@@ -67,14 +68,14 @@ def test_topk_per_sequence_takes_each_sequences_k_best_pages_last_page_included(
     scores[0, 0, 8] = 100.0                                           # a last page that scores best is taken ...
     scores[0, 1, 8] = -100.0                                          # ... one that scores worst is not
     k = torch.tensor([3, 5, 2])
-    chosen = selection.topk_per_sequence(scores, k)
+    chosen = rank_scores(scores, k)
     for b, h in itertools.product(range(B), range(H)):
         n = int(num_pages[b, h])
         want = set(sorted(range(n), key=lambda m: (-float(scores[b, h, m]), m))[:min(int(k[b]), n)])
         assert {int(p) for p in chosen[b, h] if p >= 0} == want
     assert 8 in chosen[0, 0].tolist() and 8 not in chosen[0, 1].tolist()
     # a sequence's pages do not depend on its batch mates
-    alone = selection.topk_per_sequence(scores[2:], k[2:])
+    alone = rank_scores(scores[2:], k[2:])
     assert torch.equal(alone[0, :, :2], chosen[2, :, :2])
 
 

@@ -1,9 +1,11 @@
 """The decode hooks' cheaper paths equal what they replaced: key-only gathers, a shared-k top-k, batched counters."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from systems.engine.kv_cache import TieredKVCache
+from systems.engine.ops import cpu_kernels, torch_scoring
 from systems.policies import load_policy
 from systems.policies.base import SeqInfo
 from systems.policy_support import indicators as ind
@@ -42,14 +44,23 @@ def test_stored_keys_equal_gather_tokens_keys_with_uneven_heads():
             assert torch.allclose(probs[b, h, :n], expect, atol=1e-6) and bool((probs[b, h, n:] == 0).all())
 
 
-def test_topk_uniform_equals_topk_per_sequence_with_ties_and_short_heads():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ranked_pages_kernel_equals_a_stable_sort_of_the_scores_with_ties_and_short_heads(dtype):
+    """Quest attends to its pages in this order, so the CPU op must give the torch path's order exactly: best
+    first, ties to the lower page, per-sequence k, padding past k and past a head's pages."""
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
     gen = torch.Generator().manual_seed(1)
-    scores = torch.randint(0, 4, (3, 5, 9), generator=gen).float()     # many ties: the lower page must win
-    scores[1, 2, 4:] = float("-inf")                                   # a head holding 4 pages
-    scores[2, :, 2:] = float("-inf")                                   # a sequence holding 2 pages
-    for k in (1, 3, 9, 12):
-        expected = selection.topk_per_sequence(scores, torch.full((3,), k))
-        assert torch.equal(selection.topk_uniform(scores, k), expected)
+    kmin = torch.randint(-2, 1, (4, 5, 9, 16), generator=gen).to(dtype)       # small integers: exact scores, and
+    kmax = kmin + torch.randint(0, 2, kmin.shape, generator=gen).to(dtype)     # many ties the lower page must win
+    q = torch.randint(-1, 2, (3, 5, 16), generator=gen).to(dtype)
+    rows, heads = torch.tensor([3, 0, 2]), torch.tensor([0, 1, 2, 3, 4])
+    num_pages = torch.tensor([[9] * 5, [9, 9, 4, 9, 9], [2] * 5])               # a short head, a short sequence
+    for k in ([1, 1, 1], [3, 5, 2], [9, 9, 9], [12, 4, 12]):
+        kk = torch.tensor(k)
+        expected = torch_scoring.ranked_pages(q, kmin, kmax, num_pages, rows, heads, kk,
+                                              scorer=cpu_kernels.page_scores)
+        assert torch.equal(cpu_kernels.ranked_pages(q, kmin, kmax, num_pages, rows, heads, kk), expected)
 
 
 def test_quest_union_counter_batched_per_step_equals_per_layer_count():

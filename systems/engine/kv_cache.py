@@ -257,6 +257,15 @@ class TieredKVCache(TierCopies, WindowRelease):
         return self.ops.page_scores(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
                                     slots, heads)
 
+    def ranked_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: list[int],
+                     heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+        counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
+        n_pages = -(-counts.long() // self.page_size)
+        width = int(n_pages.max()) if width is None else width
+        self.minmax_bytes_read += slots.numel() * n_pages.shape[-1] * width * self.minmax_bytes_per_page
+        return self.ops.ranked_pages(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
+                                     slots, heads, torch.tensor(k, device=self.device))
+
     def top_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: int, keep_last: bool = True,
                   heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
         if width is None:         # the longest listed head (a device sync; callers that know the lengths pass it)

@@ -117,11 +117,7 @@ class Quest(Policy):
             chosen = kv.top_pages(step.slots, step.layer, step.q, self.pages_per_step, keep_last=True, heads=heads,
                                   width=width)
         else:
-            scores = kv.score_pages(step.slots, step.layer, step.q, heads=heads, width=width)
-            if min(reads) == max(reads):              # the usual batch: one k, no per-sequence cut (and no sync)
-                chosen = selection.topk_uniform(scores, reads[0])
-            else:
-                chosen = selection.topk_per_sequence(scores, torch.tensor(reads, device=scores.device))
+            chosen = kv.ranked_pages(step.slots, step.layer, step.q, reads, heads=heads, width=width)
         if per_query:                                                             # [B, Hq, K] -> union per KV head
             self._defer_union(step.slots, chosen, width)
         return chosen

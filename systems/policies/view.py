@@ -141,6 +141,12 @@ class KVView(KVDims, Protocol):
         head's score is the max over its query group of sum_d max(q_d*kmin_d, q_d*kmax_d). The engine's kernel
         reads the cache in place (Triton on CUDA, C++ on CPU)."""
 
+    def ranked_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: list[int],
+                     heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+        """The k[b] pages score_pages' bounds rank best for each listed head of sequence b, the last page competing
+        like any other: [B, H, min(max k, W)] int64, best first, ties to the lower page, padded with -1 past k[b]
+        and past a head's pages (what a stable descending sort of score_pages gives, without the score tensor)."""
+
     def top_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: int, keep_last: bool = True,
                   heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
         """The page sets score_pages' bounds rank best, without the score tensor: [B, H, min(k, W)] int64, any

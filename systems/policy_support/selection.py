@@ -47,28 +47,6 @@ def topk_with_last(scores: torch.Tensor, num_pages: torch.Tensor, k: int) -> tor
     return torch.where(torch.isneginf(top.values), PAD, top.indices)
 
 
-def topk_per_sequence(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The k[b] best-scoring pages of every head of sequence b, the last page competing like any other.
-
-    scores [B, H, M] (-inf beyond a head's pages), k [B] >= 1. Returns [B, H, max(k)] int64, best first, padded with
-    PAD past k[b] and past a head's pages. Ties go to the lower page (a stable sort), so a sequence's pages never
-    depend on the rest of its batch.
-    """
-    width = min(int(k.max()), scores.shape[-1])
-    values, index = scores.sort(dim=-1, descending=True, stable=True)
-    values, index = values[..., :width], index[..., :width]
-    beyond = torch.arange(width, device=scores.device).view(1, 1, width) >= k.view(-1, 1, 1)
-    return torch.where(beyond | torch.isneginf(values), PAD, index)
-
-
-def topk_uniform(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """topk_per_sequence with the same k for every sequence (as k.fill_(k)), without its per-sequence cut: [B, H,
-    min(k, M)] int64, best first, ties to the lower page, padded with PAD past a head's pages."""
-    values, index = scores.sort(dim=-1, descending=True, stable=True)
-    width = min(k, scores.shape[-1])
-    return torch.where(torch.isneginf(values[..., :width]), PAD, index[..., :width])
-
-
 def compact(mask: torch.Tensor) -> torch.Tensor:
     """Indices of the True entries of each row of mask [..., M], ascending, padded with PAD to the longest row."""
     M = mask.shape[-1]

@@ -13,7 +13,7 @@ _FUNCTIONS = {
     "kv": ("store_kv", "update_minmax", "page_minmax", "store_prompt"),
     "attention": ("prompt_attention", "paged_decode_attention", "sparse_decode_attention", "gather_selected",
                   "token_probs"),
-    "scoring": ("page_scores", "top_pages", "resident_pages"),
+    "scoring": ("page_scores", "top_pages", "ranked_pages", "resident_pages"),
 }
 
 
@@ -37,4 +37,6 @@ def load_ops(device: torch.device | str) -> SimpleNamespace:
             chosen[name] = getattr(fast_module, name, None) or getattr(torch_modules[group], name)
     if chosen["top_pages"] is torch_scoring.top_pages:             # the reference top-K over the device's scorer
         chosen["top_pages"] = functools.partial(torch_scoring.top_pages, scorer=chosen["page_scores"])
+    if chosen["ranked_pages"] is torch_scoring.ranked_pages:
+        chosen["ranked_pages"] = functools.partial(torch_scoring.ranked_pages, scorer=chosen["page_scores"])
     return SimpleNamespace(**chosen)

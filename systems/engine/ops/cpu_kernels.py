@@ -223,6 +223,17 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
     return torch.ops.kvharness_cpu.page_scores(q, kmin, kmax, num_pages, rows, heads)
 
 
+def ranked_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,
+                 rows: torch.Tensor | None, heads: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
+    """Same contract as torch_scoring.ranked_pages; scores and ranks in one call, no score tensor."""
+    if (kmin.dtype not in (torch.bfloat16, torch.float32) or kmin.stride(-1) != 1 or kmin.stride() != kmax.stride()
+            or not available() or not hasattr(torch.ops.kvharness_cpu, "ranked_pages")):
+        return torch_scoring.ranked_pages(q, kmin, kmax, num_pages, rows, heads, k, scorer=page_scores)
+    rows = torch.arange(kmin.shape[0]) if rows is None else rows
+    heads = torch.arange(kmin.shape[1]) if heads is None else heads
+    return torch.ops.kvharness_cpu.ranked_pages(q, kmin, kmax, num_pages, rows, heads, k)
+
+
 def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor, page_size: int,
               k: int, keep_last: bool, rows: torch.Tensor | None = None,
               heads: torch.Tensor | None = None) -> torch.Tensor:

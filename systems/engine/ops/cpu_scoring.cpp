@@ -295,6 +295,36 @@ at::Tensor top_pages(const at::Tensor& q, const at::Tensor& kmin, const at::Tens
   return out;
 }
 
+// The k[b] best pages of each (rows[b], heads[j]) by the bound, best first, ties to the lower page (a stable
+// descending sort's order): int64 [B, H, min(max k, W)], -1 past k[b] and past a head's pages. The order is the
+// one the attention reads them in, so it is the torch path's exactly, not just the same set.
+at::Tensor ranked_pages(const at::Tensor& q, const at::Tensor& kmin, const at::Tensor& kmax,
+                        const at::Tensor& num_pages, const at::Tensor& rows, const at::Tensor& heads,
+                        const at::Tensor& k) {
+  std::vector<at::Tensor> keep;
+  const ScoreArgs a = score_args(q, kmin, kmax, rows, heads, num_pages, keep);
+  const at::Tensor kk = k.to(at::kLong).contiguous();
+  TORCH_CHECK(kk.numel() == a.B, "ranked_pages: k [B]");
+  const int64_t* kp = kk.data_ptr<int64_t>();
+  const int64_t width = std::min<int64_t>(a.B ? *std::max_element(kp, kp + a.B) : 1, a.W);
+  at::Tensor out = at::empty({a.B, a.H, width}, q.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t H = a.H;
+  dispatch_scored(a, kmin, kmax, [op, width, kp, H](int64_t i, int64_t n, const float* s) {
+    thread_local std::vector<int64_t> order;
+    const int64_t want = std::max<int64_t>(0, std::min({kp[i / H], n, width}));
+    order.resize(n);
+    for (int64_t m = 0; m < n; ++m) order[m] = m;
+    std::partial_sort(order.begin(), order.begin() + want, order.end(), [s](int64_t x, int64_t y) {
+      return s[x] > s[y] || (s[x] == s[y] && x < y);
+    });
+    int64_t* o = op + i * width;
+    std::copy(order.begin(), order.begin() + want, o);
+    std::fill(o + want, o + width, -1);
+  });
+  return out;
+}
+
 // The device-resident logical pages of each (row, head), ascending, -1-padded to the longest list: table
 // [B, H, W] int32 block ids (0 = not resident, any strides), num_pages [B, H]; pages >= num_pages are ignored.
 at::Tensor resident_pages(const at::Tensor& table, const at::Tensor& num_pages) {
@@ -332,5 +362,7 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
         &page_scores);
   m.def("top_pages(Tensor q, Tensor kmin, Tensor kmax, Tensor num_tokens, int page_size, int k, bool keep_last, "
         "Tensor rows, Tensor heads) -> Tensor", &top_pages);
+  m.def("ranked_pages(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, Tensor rows, Tensor heads, Tensor k) "
+        "-> Tensor", &ranked_pages);
   m.def("resident_pages(Tensor table, Tensor num_pages) -> Tensor", &resident_pages);
 }

@@ -48,6 +48,24 @@ def topk_pages(scores: torch.Tensor, num_pages: torch.Tensor, k: int, keep_last:
     return torch.where(torch.isneginf(top.values), PAD, top.indices)
 
 
+def ranked_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,
+                 rows: torch.Tensor | None, heads: torch.Tensor | None, k: torch.Tensor,
+                 scorer: Callable[..., torch.Tensor] = page_scores) -> torch.Tensor:
+    """The k[b] best pages of every listed head of row b by page_scores (`scorer`), the last page competing like
+    any other: [B, H, min(max k, M)] int64, best first, ties to the lower page (a stable sort, so a row's pages
+    never depend on the rest of its batch), PAD past k[b] and past a head's pages."""
+    return rank_scores(scorer(q, kmin, kmax, num_pages, rows, heads), k)
+
+
+def rank_scores(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """ranked_pages' choice from scores [B, H, M] (-inf beyond a head's pages) and k [B] >= 1."""
+    width = min(int(k.max()), scores.shape[-1])
+    values, index = scores.sort(dim=-1, descending=True, stable=True)
+    values, index = values[..., :width], index[..., :width]
+    beyond = torch.arange(width, device=scores.device).view(1, 1, width) >= k.view(-1, 1, 1).to(scores.device)
+    return torch.where(beyond | torch.isneginf(values), PAD, index)
+
+
 def top_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_tokens: torch.Tensor, page_size: int,
               k: int, keep_last: bool, rows: torch.Tensor | None = None, heads: torch.Tensor | None = None,
               scorer: Callable[..., torch.Tensor] = page_scores) -> torch.Tensor:
