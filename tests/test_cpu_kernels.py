@@ -261,3 +261,40 @@ def test_store_prompt_equals_the_torch_path_bit_for_bit(dtype):
             start += n
         state[name] = pools + bounds
     assert all(torch.equal(a, b) for a, b in zip(state["torch"], state["cpu"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_steps_decode_rows_take_the_fused_steps_append_and_attention(dtype):
+    """The per-op path's decode rows (a mixed step's) append through the fused step's op, with the torch path's
+    values bit for bit, and attend through its attention op, with the decode_attention op's bits (all pages, or
+    per-query-head page sets)."""
+    import copy
+
+    from systems.engine.kv_cache import TieredKVCache
+    from systems.engine.ops import torch_kv
+    assert cpu_kernels.has_fused_decode()
+    kv = TieredKVCache(num_layers=2, num_q_heads=6, num_kv_heads=2, head_dim=64, page_size=16, max_seqs=3,
+                       max_model_len=1024, device_memory_gb=0.01, host_memory_gb=0.001, dtype=dtype,
+                       device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for slot, n in ((0, 600), (2, 47)):
+        kv.store_prefill(slot, 1, *(torch.randn(n, 2, 64, generator=g).to(dtype) for _ in range(2)))
+    slots = torch.tensor([2, 0])
+    kv.allocate_decode(slots, kv.decode_blocks_needed(slots))
+    k, v = (torch.randn(2, 2, 64, generator=g).to(dtype) for _ in range(2))
+    ref = copy.deepcopy([kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax])
+    torch_kv.append_decode(*ref, slots, 1, k, v)
+    cpu_kernels.append_decode(kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax, slots, 1, k, v)
+    # bit patterns, not values: the MinMax cache is allocated empty, and its untouched rows may hold NaNs
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.int32: torch.int32}
+    assert all(torch.equal(a.view(bits[a.dtype]), b.view(bits[b.dtype])) for a, b in zip(
+        ref, [kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax]))
+    q = torch.randn(2, 6, 64, generator=g).to(dtype)
+    store = (kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax, slots, 1)
+    table, counts = kv.decode_tables(slots, 1)
+    assert torch.equal(cpu_kernels.layer_decode_attention(q, *store, None, kv.scale),
+                       cpu_kernels.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale))
+    selected = torch.tensor([[[0, 2, -1]] * 6, [[37, 5, 1]] * 6])                    # per query head, padded
+    full, cnt = kv.block_table[slots, 1].repeat_interleave(3, 1), kv.num_tokens[slots, 1].repeat_interleave(3, 1)
+    assert torch.equal(cpu_kernels.layer_decode_attention(q, *store, selected, kv.scale),
+                       cpu_kernels.sparse_decode_attention(q, kv.k_pool, kv.v_pool, full, cnt, selected, kv.scale))

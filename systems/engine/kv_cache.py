@@ -176,16 +176,8 @@ class TieredKVCache(TierCopies, WindowRelease):
 
     def append_decode(self, slots: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one token's K/V [B, Hkv, D] per sequence to each head's last page, keeping MinMax exact."""
-        B, H, D = k.shape
-        P, M = self.page_size, self.max_pages
-        cnt = self.num_tokens[slots, layer].long()                      # [B, H]
-        page, off = cnt // P, cnt % P
-        blk = self.block_table[slots, layer].gather(-1, page.unsqueeze(-1)).squeeze(-1)
-        kf = k.reshape(B * H, D)
-        self.ops.store_kv(self.k_pool, self.v_pool, kf, v.reshape(B * H, D), blk.reshape(-1), off.reshape(-1))
-        rows = (((slots.view(B, 1) * self.num_layers + layer) * H + self._heads.view(1, H)) * M + page).reshape(-1)
-        self.ops.update_minmax(self.kmin.view(-1, D), self.kmax.view(-1, D), kf, rows, (off == 0).reshape(-1))
-        self.num_tokens[slots, layer] += 1
+        self.ops.append_decode(self.k_pool, self.v_pool, self.block_table, self.num_tokens, self.kmin, self.kmax,
+                               slots, layer, k.to(self.dtype), v.to(self.dtype))
 
     def decode_tables(self, slots: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Block table [B, Hkv, M'] (M' = most pages any listed head holds) and token counts [B, Hkv]."""

@@ -190,19 +190,8 @@ class ModelRunner:
             self.probe.observe(layer, infos, selected, self.windows[layer])
         if clock:
             clock("select")
-        if selected is None:
-            table, counts = kv.decode_tables(slots, layer)
-            out = ops.paged_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, kv.scale,
-                                             window=self.windows[layer])
-        else:
-            table, counts = kv.block_table[slots, layer], kv.num_tokens[slots, layer]
-            if selected.shape[1] != table.shape[1]:
-                # per-query-head page sets: each query head gets its KV head's table row and reads only its own
-                # pages (a group of one), from the same grouped K/V pools
-                group = selected.shape[1] // table.shape[1]
-                table, counts = table.repeat_interleave(group, 1), counts.repeat_interleave(group, 1)
-            out = ops.sparse_decode_attention(q, kv.k_pool, kv.v_pool, table, counts, selected, kv.scale,
-                                              window=self.windows[layer])
+        out = ops.layer_decode_attention(q, kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax,
+                                         slots, layer, selected, kv.scale, window=self.windows[layer])
         self.last_selected = selected
         if clock:
             clock("attention")

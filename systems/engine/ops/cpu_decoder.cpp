@@ -53,11 +53,11 @@ struct Storage {
   int64_t head_row(int64_t b, int64_t layer, int64_t h) const { return (slots[b] * L + layer) * Hkv + h; }
 };
 
-// Append each sequence's new K/V (rows of `qkv`, after the Hq query heads) to its heads' last pages, keeping the
-// pages' MinMax bounds exact and counting the token, as TieredKVCache.append_decode does.
+// Append each sequence's new K/V to its heads' last pages, keeping the pages' MinMax bounds exact and counting the
+// token, as torch_kv.append_decode does: head h of sequence b reads k_rows + b * stride + h * D (and v_rows).
 template <typename T>
-void append_kv(const Storage& st, int64_t layer, const T* qkv, int64_t B, int64_t Hq) {
-  const int64_t D = st.D, width = (Hq + 2 * st.Hkv) * D;
+void append_kv(const Storage& st, int64_t layer, const T* k_rows, const T* v_rows, int64_t B, int64_t stride) {
+  const int64_t D = st.D;
   T* kp = ptr<T>(st.k_pool);
   T* vp = ptr<T>(st.v_pool);
   T* lo = ptr<T>(st.kmin);
@@ -71,8 +71,8 @@ void append_kv(const Storage& st, int64_t layer, const T* qkv, int64_t B, int64_
       TORCH_CHECK(page < st.M, "fused decode: a head is full (max_model_len)");
       const int64_t block = table[row * st.M + page];
       TORCH_CHECK(block != 0, "fused decode: the next page of a head has no device block");
-      const T* k = qkv + b * width + (Hq + h) * D;
-      const T* v = qkv + b * width + (Hq + st.Hkv + h) * D;
+      const T* k = k_rows + b * stride + h * D;
+      const T* v = v_rows + b * stride + h * D;
       std::memcpy(kp + (block * st.P + off) * D, k, D * sizeof(T));
       std::memcpy(vp + (block * st.P + off) * D, v, D * sizeof(T));
       T* mn = lo + (row * st.M + page) * D;
@@ -110,7 +110,7 @@ at::Tensor layer_in(at::Tensor& h, const T* delta, const at::Tensor& ln1, const 
   at::Tensor qkv = at::empty({B, width}, h.options());
   product<T>(ptr<T>(x), B, wqkv, bqkv, width, ptr<T>(qkv), wide);
   rope_rows<T>(ptr<T>(qkv), ptr<T>(cos), ptr<T>(sin), B, Hq + st.Hkv, D, width);
-  append_kv<T>(st, layer, ptr<T>(qkv), B, Hq);
+  append_kv<T>(st, layer, ptr<T>(qkv) + Hq * D, ptr<T>(qkv) + (Hq + st.Hkv) * D, B, width);
   return qkv.narrow(1, 0, Hq * D).contiguous().view({B, Hq, D});
 }
 
@@ -202,6 +202,21 @@ at::Tensor decode_layer_in(at::Tensor h, const c10::optional<at::Tensor>& delta,
   return q;
 }
 
+// The per-op path's append (a mixed step's decode rows): k, v [B, Hkv, D] in the pools' dtype.
+void append_decode_kv(const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
+                      const at::Tensor& num_tokens, const at::Tensor& kmin, const at::Tensor& kmax,
+                      const at::Tensor& slots, int64_t layer, const at::Tensor& k, const at::Tensor& v) {
+  Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == st.Hkv && k.size(2) == st.D &&
+              k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == k_pool.scalar_type(),
+              "append_decode: k, v [B, Hkv, D] in the pools' dtype");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous();
+  by_dtype(k_pool, [&](auto tag) {
+    using T = decltype(tag);
+    append_kv<T>(st, layer, ptr<T>(kc), ptr<T>(vc), k.size(0), st.Hkv * st.D);
+  });
+}
+
 at::Tensor decode_layer_attend(const at::Tensor& q, const c10::optional<at::Tensor>& selected,
                                const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& block_table,
                                const at::Tensor& num_tokens, const at::Tensor& kmin, const at::Tensor& kmax,
@@ -281,6 +296,8 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
         "Tensor sin, Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, "
         "Tensor(e!) kmin, Tensor(f!) kmax, Tensor slots, int layer, int num_q_heads, float eps) -> Tensor",
         &decode_layer_in);
+  m.def("append_decode_kv(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor block_table, Tensor(c!) num_tokens, "
+        "Tensor(d!) kmin, Tensor(e!) kmax, Tensor slots, int layer, Tensor k, Tensor v) -> ()", &append_decode_kv);
   m.def("decode_layer_attend(Tensor q, Tensor? selected, Tensor k_pool, Tensor v_pool, Tensor block_table, "
         "Tensor num_tokens, Tensor kmin, Tensor kmax, Tensor slots, int layer, float scale, int window) -> Tensor",
         &decode_layer_attend);

@@ -192,6 +192,40 @@ def sparse_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
                                                     window or 0)
 
 
+def append_decode(k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor, num_tokens: torch.Tensor,
+                  kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor, layer: int, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """Same contract as torch_kv.append_decode; the fused decode step's append (one call, the same values)."""
+    if not (_storage_fits(k_pool, block_table, num_tokens, kmin, kmax) and k.dtype == v.dtype == k_pool.dtype):
+        return torch_kv.append_decode(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots, layer, k, v)
+    torch.ops.kvharness_cpu.append_decode_kv(k_pool, v_pool, block_table, num_tokens, kmin, kmax,
+                                             slots.to(torch.int64).contiguous(), int(layer), k, v)
+
+
+def layer_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                           num_tokens: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor,
+                           layer: int, selected: torch.Tensor | None, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """Same contract as torch_attention.layer_decode_attention; the fused decode step's attention, reading the
+    engine's tables in place (no per-step table copy)."""
+    if not (_storage_fits(k_pool, block_table, num_tokens, kmin, kmax) and q.dtype == k_pool.dtype
+            and _fits(q, k_pool, block_table.shape[2])):
+        return torch_attention.layer_decode_attention(q, k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots,
+                                                      layer, selected, scale, window)
+    out = torch.ops.kvharness_cpu.decode_layer_attend(q.contiguous(), selected, k_pool, v_pool, block_table,
+                                                      num_tokens, kmin, kmax, slots.to(torch.int64).contiguous(),
+                                                      int(layer), float(scale), window or 0)
+    return out.view(q.shape)
+
+
+def _storage_fits(k_pool: torch.Tensor, block_table: torch.Tensor, num_tokens: torch.Tensor, kmin: torch.Tensor,
+                  kmax: torch.Tensor) -> bool:
+    """Whether the engine's storage is what the fused decode step's ops read (contiguous, int32 tables)."""
+    return (k_pool.dtype in (torch.bfloat16, torch.float32) and all(t.is_contiguous() for t in (
+        k_pool, block_table, num_tokens, kmin, kmax)) and block_table.dtype == num_tokens.dtype == torch.int32
+        and has_fused_decode())
+
+
 def store_prompt(k_pool: torch.Tensor, v_pool: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                  table: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
     """Same contract as torch_kv.store_prompt; one call, the same values (copies, and exact mins and maxes)."""

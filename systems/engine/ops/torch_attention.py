@@ -137,3 +137,24 @@ def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, cou
         pad = torch.arange(n, device=k.device).view(1, 1, n) >= counts[i].view(hkv, 1, 1)
         out[i, :, :n] = logits.masked_fill(pad, float("-inf")).softmax(-1).view(hq, n)
     return out
+
+
+def layer_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
+                           num_tokens: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor,
+                           layer: int, selected: torch.Tensor | None, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """A decode step's attention at one layer read from the engine's storage: q [B, Hq, D] of the sequences in
+    `slots` over every page each head holds (block_table [S, L, Hkv, M], num_tokens [S, L, Hkv]), or only the
+    `selected` pages [B, Hkv or Hq, K] (per query head: each reads its KV head's pages). kmin, kmax (the MinMax
+    cache) are not read here; the fused op's storage carries them. Returns [B, Hq, D] in q's dtype."""
+    counts = num_tokens[slots, layer]
+    if selected is None:
+        table = block_table[slots, layer, :, :-(-int(counts.max()) // k_pool.shape[1])]
+        return paged_decode_attention(q, k_pool, v_pool, table, counts, scale, window=window)
+    table = block_table[slots, layer]
+    if selected.shape[1] != table.shape[1]:
+        # per-query-head page sets: each query head gets its KV head's table row and reads only its own pages
+        # (a group of one), from the same grouped K/V pools
+        group = selected.shape[1] // table.shape[1]
+        table, counts = table.repeat_interleave(group, 1), counts.repeat_interleave(group, 1)
+    return sparse_decode_attention(q, k_pool, v_pool, table, counts, selected, scale, window=window)

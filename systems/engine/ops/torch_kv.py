@@ -67,3 +67,22 @@ def store_prompt(k_pool: torch.Tensor, v_pool: torch.Tensor, kmin: torch.Tensor,
     lo, hi = page_minmax(k_pool, ids[:, first:end].reshape(-1), fill)
     kmin[:, first:end] = lo.view(H, end - first, D)
     kmax[:, first:end] = hi.view(H, end - first, D)
+
+
+def append_decode(k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor, num_tokens: torch.Tensor,
+                  kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor, layer: int, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+    """In place: one decode token's k, v [B, Hkv, D] per sequence appended to each head's last page of `layer`
+    (block_table [S, L, Hkv, M], its next page already holding a block), MinMax kept exact, num_tokens [S, L, Hkv]
+    counted; kmin, kmax [S, L, Hkv, M, D]."""
+    B, H, D = k.shape
+    P, M, L = k_pool.shape[1], block_table.shape[3], block_table.shape[1]
+    cnt = num_tokens[slots, layer].long()                                   # [B, H]
+    page, off = cnt // P, cnt % P
+    blk = block_table[slots, layer].gather(-1, page.unsqueeze(-1)).squeeze(-1)
+    kf = k.reshape(B * H, D)
+    store_kv(k_pool, v_pool, kf, v.reshape(B * H, D), blk.reshape(-1), off.reshape(-1))
+    heads = torch.arange(H, device=k.device).view(1, H)
+    rows = (((slots.view(B, 1) * L + layer) * H + heads) * M + page).reshape(-1)
+    update_minmax(kmin.view(-1, D), kmax.view(-1, D), kf, rows, (off == 0).reshape(-1))
+    num_tokens[slots, layer] += 1
