@@ -212,12 +212,13 @@ struct Listing {
 // Rows q [rows, G, D] (fp32, pre-scaled) over their listed pages -> out [rows, G, D]: every row cut into splits of
 // kSplitTokens / P pages (at least one; fixed by its page count), the splits shared by the threads, then each row's
 // splits combined in order (cpu_attend_split.h).
-// Every row cut into splits of kSplitTokens / P pages (at least one; fixed by its page count), the splits shared
+// Every row cut into splits of split_tokens / P pages (at least one; fixed by its page count), the splits shared
 // by the threads: attend(i, j0, j1, part) runs pages [j0, j1) of row i into its part (`stride` floats), and whoever
 // ends a row's last split runs combine(i, parts, splits) over them all, in split order (one parallel region).
 template <typename Attend, typename Combine>
-void run_splits(const Listing& ls, int64_t rows, int64_t stride, const Attend& attend, const Combine& combine) {
-  const int64_t per_split = std::max<int64_t>(1, kSplitTokens / ls.P);
+void run_splits(const Listing& ls, int64_t rows, int64_t stride, int split_tokens, const Attend& attend,
+                const Combine& combine) {
+  const int64_t per_split = std::max<int64_t>(1, split_tokens / ls.P);
   std::vector<int64_t> first(static_cast<size_t>(rows + 1), 0);  // row i's splits: [first[i], first[i + 1])
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t pages = ls.selected ? ls.K : ls.all(i).count();
@@ -249,7 +250,7 @@ void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int6
         qv[r * V + 2 * c + slot / 8][slot % 8] = q[r * D + c * 16 + i];
       }
   run_splits(
-      ls, rows, 2 * G + G * D,
+      ls, rows, 2 * G + G * D, kSplitTokens,
       [&](int64_t i, int64_t j0, int64_t j1, float* part) {
         const attn_vf* qi = qv.data() + i * G * V;
         if (ls.selected) {
@@ -265,11 +266,15 @@ void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int6
 }
 
 #ifdef KVH_HAVE_AVX512_BF16
+// Tokens of pages per split of the bf16 kernel: a split's first page is read without a prefetch, so splits of the
+// portable kernel's 256 tokens made batch >= 4 steps 5-40 % slower; at 512, batch 1 at 4k is 20 % faster than
+// unsplit rows and larger batches are unchanged (2 AVX512-BF16 cores). Rows up to 512 tokens are one split.
+constexpr int kSplitTokensBf16 = 512;
 template <int D>
 void run_bf16(const uint16_t* q, int G, float scale, const uint16_t* k, const uint16_t* v, const Listing& ls,
               int64_t rows, float* out) {
   run_splits(
-      ls, rows, 2 * G + G * D,
+      ls, rows, 2 * G + G * D, kSplitTokensBf16,
       [&](int64_t i, int64_t j0, int64_t j1, float* part) {
         const uint16_t* qi = q + i * G * D;
         if (ls.selected) {
