@@ -209,15 +209,18 @@ class LServe(Policy):
     # ---- selection -------------------------------------------------------------------------------------------------
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         layer, slots, G = step.layer, step.slots, self._group
-        counts = kv.num_tokens[slots, layer].repeat_interleave(G, 1)                           # [B, units]
-        num_pages = selection.pages_of(counts, kv.page_size)
-        width = int(num_pages.max())
+        # nothing is dropped (streaming heads release pages, not tokens), so every head of a sequence holds its
+        # seq_len tokens: the page counts and which rows are past the budget are known here without a device op
+        pages = [-(-s.seq_len // kv.page_size) for s in step.seqs]
+        width = max(pages)
+        num_pages = torch.tensor(pages, device=kv.device).view(-1, 1).expand(-1, kv.num_kv_heads * G)   # [B, units]
         valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
         # streaming heads read what they still hold (sink + local window)
         read = (kv.block_table[slots, layer, :, :width] != 0).repeat_interleave(G, 1) & valid
         units = self._retrieval_units[layer]
-        sparse = counts[:, units] > self.budget                         # [B, r] retrieval units past the budget
-        if units.numel() and bool(sparse.any()):
+        past = [s.seq_len > self.budget for s in step.seqs]             # rows whose retrieval units are sparse
+        if units.numel() and any(past):
+            sparse = torch.tensor(past, device=kv.device).view(-1, 1)
             self._refresh(kv, step, units, num_pages, width)
             wp = -(-width // self.sub)
             phys = self._chosen[slots, layer][:, units, :wp].clone()                           # [B, r, wp]
