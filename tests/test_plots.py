@@ -177,5 +177,5 @@ def test_head_stability_and_duo_attention_figures(tmp_path, figures):
                                                                {"step": 2, "distill": 0.2, "mean_gate": 0.6}],
                "lengths": [200], "sample_tokens": [150, 160], "train_seconds": 60.0, "teacher_seconds": 6.0}
     p = {k: 1 for k in duo_attention.TRAINING} | {"sparsity": 0.5, "steps": 2, "pool": 2}
-    duo_attention.write_summary(_run(tmp_path, "duo_attention", duo_attention.Params()), metrics, p)
+    duo_attention.write_summary(_run(tmp_path, "duo_attention", duo_attention.Params()), metrics, p, [0, 1])
     _states_n_budget_machine(figures, "no shared KV budget")

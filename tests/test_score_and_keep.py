@@ -41,8 +41,9 @@ class KeepOldest(ScoreAndKeep):
     def prefill_scores(self, kv, q, k):
         return -torch.arange(k.shape[0], dtype=torch.float32)
 
-    def decode_scores(self, kv, step, rows, k, counts):
-        return -torch.arange(k.shape[2], dtype=torch.float32).expand(len(rows), -1).clone()
+    def decode_scores(self, kv, step, rows):
+        n = int(kv.num_tokens[step.slots[rows], step.rows_at(rows)].max())
+        return -torch.arange(n, dtype=torch.float32).expand(len(rows), -1).clone()
 
 
 def test_a_scorer_of_a_few_lines_evicts_at_prefill_and_while_decoding():
