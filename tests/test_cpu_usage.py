@@ -39,13 +39,14 @@ def test_children_count_and_excluded_subtrees_do_not():
 
 
 def test_trace_reads_the_busy_end_of_its_window_alone():
-    """An idle start (a load client importing) then a busy end (its load): the whole window reads about half a core,
-    its last part one core."""
+    """An idle start (a load client importing) then a busy end (its load): the whole window reads well under a core,
+    its last part close to one. Bounds leave room for a shared machine (the spinning thread may lose its core for a
+    while, and /proc counts CPU time in 10 ms ticks)."""
     with CpuTrace(every_s=0.05) as meter:
         time.sleep(0.6)
-        _spin(time.time() + 0.6)
+        _spin(time.time() + 1.0)
     assert meter.usage is not None
     whole, end = meter.usage, meter.usage_of_last(0.5)
-    assert 0.3 < whole.cores_busy < 0.7
-    assert end.cores_busy > 0.8 and 0.5 <= end.wall_s < 0.7
+    assert 0.2 < whole.cores_busy < 0.85
+    assert end.cores_busy > 0.6 and end.cores_busy > whole.cores_busy + 0.15 and 0.5 <= end.wall_s < 0.7
     assert meter.usage_of_last(60.0).cpu_s == whole.cpu_s      # longer than the window: all of it
