@@ -1,7 +1,12 @@
-"""The engine's own thread: takes new requests and aborts from an inbox, steps, posts each step's new tokens.
+"""The engine's loop: takes new requests and aborts from an inbox, steps, posts each step's new tokens.
 
-The engine is not thread-safe, so every engine call happens on this one thread; the HTTP side (systems.server)
-talks to it only through submit/abort and each request's asyncio queue.
+The engine is not thread-safe, so every engine call happens on one thread; the HTTP side (systems.server) talks to
+it only through submit/abort and each request's asyncio queue. That thread is best the one that built the engine
+(`run()` on it; `python -m systems.server` does so on its main thread): torch's OpenMP runtime keeps one worker team
+per thread that ran parallel work, and two teams on a machine's cores throttle the workers' spin-waiting, so the
+hundreds of short parallel ops of a step each wake sleeping workers (on 2 cores a 256-token mixed step took 8-20 %
+longer and kept 1.7 cores busy instead of 2.0 when stepped from a second thread). `start()` runs it on a thread of
+its own, for servers inside a test or notebook.
 
 One request's failure is its own: the engine finishes a failing sequence with finish_reason "error" and goes on
 with the rest of the batch (Engine.step), and this loop posts that error to that request alone. A request the
@@ -41,7 +46,7 @@ class Live:
 
 
 class EngineLoop:
-    """The one thread that drives the engine; all engine access happens on it."""
+    """The loop that drives the engine; all engine access happens on the thread that runs it."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -49,16 +54,35 @@ class EngineLoop:
         self._wake = threading.Event()
         self._live: dict[str, Live] = {}
         self._stop = False
+        self._serving = False     # run() is stepping (on whichever thread called it)
         self.last_error = ""      # the latest failure (one request's, or a whole step's); the loop kept serving
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Run the loop on a thread of its own."""
+        self._serving = True          # healthy from now on, not only once the thread gets its first turn
+        self._thread = threading.Thread(target=self.run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def run(self) -> None:
+        """Step until stop(), on the calling thread."""
+        self._serving = True
+        try:
+            self._run()
+        finally:
+            self._serving = False
+
+    def stop_soon(self) -> None:
+        """Ask the loop to end after its current step; safe in a signal handler (one flag, no lock: an idle loop
+        notices within its 0.1 s wait)."""
         self._stop = True
+
+    def stop(self) -> None:
+        """End the loop after its current step and wait for its thread."""
+        self.stop_soon()
         self._wake.set()
-        self._thread.join(timeout=10)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def submit(self, live: Live) -> None:
         self._inbox.put(("add", live))
@@ -70,7 +94,7 @@ class EngineLoop:
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive()
+        return self._serving
 
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)

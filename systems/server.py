@@ -5,10 +5,11 @@
 Routes: POST /v1/completions (`logprobs`, `echo`: systems/openai_logprobs.py), POST /v1/chat/completions (`stream`,
 `stream_options.include_usage`, `ignore_eos`), GET /v1/models, GET /health (JSON), GET /metrics (Prometheus).
 
-One background thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and
-aborts from an inbox, steps while any request exists, and hands each step's new tokens to the request's asyncio
-queue. Every token becomes one SSE chunk, so a client's inter-chunk gaps are the engine's per-token gaps (what
-vLLM's bench measures as ITL); the chunk carrying the last token also carries `finish_reason`.
+One thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and aborts from an
+inbox, steps while any request exists, and hands each step's new tokens to the request's asyncio queue; from the
+command line that is the main thread, which built the engine, with HTTP on a second one (engine_loop says why).
+Every token becomes one SSE chunk, so a client's inter-chunk gaps are the engine's per-token gaps (what vLLM's bench
+measures as ITL); the chunk carrying the last token also carries `finish_reason`.
 
 Overload: at most max_num_seqs (running) + `max_queue` (waiting) requests, beyond that 503 with Retry-After. A
 client that disconnects has its sequence taken out of the scheduler, freeing its KV blocks, at the engine's next turn.
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -53,7 +55,8 @@ class OpenAIServer:
     """The HTTP side: validation, admission (bounded queue), SSE framing, counters."""
 
     def __init__(self, system: Any, model_name: str, max_queue: int = 64, retry_after_s: int = 1,
-                 max_body_bytes: int | None = None) -> None:
+                 max_body_bytes: int | None = None, engine_thread: bool = True) -> None:
+        """`engine_thread=False`: the app does not start the engine loop; its owner calls `self.loop.run()`."""
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
         self.system, self.model_name = system, model_name
@@ -65,6 +68,7 @@ class OpenAIServer:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1")
         self.max_chars = api.max_prompt_chars(self.tokenizer, self.engine.max_model_len)
         self.loop = EngineLoop(self.engine)
+        self.engine_thread = engine_thread
         # parsing and tokenizing off the event loop (HF tokenizers release the GIL while they encode)
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-parse")
         self.in_flight = 0
@@ -86,7 +90,8 @@ class OpenAIServer:
         return app
 
     async def _start_engine(self, app: web.Application) -> None:
-        self.loop.start()
+        if self.engine_thread:
+            self.loop.start()
 
     async def _stop_engine(self, app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
@@ -306,10 +311,12 @@ class RunningServer:
 
 
 def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port: int = 0, max_queue: int = 64,
-                    retry_after_s: int = 1, max_body_bytes: int | None = None) -> RunningServer:
-    """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread."""
+                    retry_after_s: int = 1, max_body_bytes: int | None = None,
+                    engine_thread: bool = True) -> RunningServer:
+    """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread; the engine loop gets
+    a thread of its own too unless `engine_thread=False` (then the caller runs `server.loop.run()`)."""
     server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s,
-                          max_body_bytes=max_body_bytes)
+                          max_body_bytes=max_body_bytes, engine_thread=engine_thread)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     loop.run_until_complete(runner.setup())
@@ -387,12 +394,21 @@ def main(argv: list[str] | None = None) -> int:
     system = EngineSystem(args.model, args.policy, params, engine=engine_cfg, dtype=args.dtype, policy=policy,
                           name=f"engine-{args.policy}", max_model_len=args.max_model_len,
                           model_name=args.model_name or name)
-    server = OpenAIServer(system, name, max_queue=args.max_queue, retry_after_s=args.retry_after,
-                          max_body_bytes=None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log.info("serving %s (policy %s %s) on http://%s:%d", name, args.policy, params, args.host, args.port)
-    web.run_app(server.app(), host=args.host, port=args.port, handler_cancellation=True, access_log=None,
-                print=None)
+    try:
+        running = start_in_thread(system, name, args.host, args.port, args.max_queue, args.retry_after,
+                                  None if args.max_body_mb is None else int(args.max_body_mb * (1 << 20)),
+                                  engine_thread=False)
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port} ({exc}); pick a free --port", file=sys.stderr)
+        return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):      # end the engine loop; HTTP is closed after it
+        signal.signal(sig, lambda *_: running.server.loop.stop_soon())
+    log.info("serving %s (policy %s %s) on %s", name, args.policy, params, running.url)
+    try:
+        running.server.loop.run()        # the engine steps on the thread that built it
+    finally:
+        running.close()
     return 0
 
 
