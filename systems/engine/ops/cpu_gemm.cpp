@@ -103,7 +103,9 @@ inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite
 // stream, a cache line per k), broadcasts x[m, k] and applies each weight vector to all MR rows, so a panel comes
 // from memory once per step and the rows of further tiles find it in L2. Vectors [V0, V0 + NV) of the panel: a
 // tile of many rows takes the panel in two halves, to keep its MR x NV accumulators in registers.
-constexpr int kPrefetchBytes = 1024;
+// Every cache line of a panel row is prefetched this far ahead: the hardware prefetcher alone, or one line per
+// 128-byte bf16 row, streamed a 3072-row gate/up product at 23 GB/s on a 33 GB/s machine (both lines, 2 KiB: 31).
+constexpr int kPrefetchBytes = 2048;
 
 template <typename TW, typename TO, int MR, int V0, int NV>
 inline void panel_tile(const float* x, int64_t K, const TW* panel, const float* bias, TO* y, int64_t ldy, int cols) {
@@ -114,7 +116,9 @@ inline void panel_tile(const float* x, int64_t K, const TW* panel, const float* 
   constexpr int64_t kAhead = kPrefetchBytes / (kPanel * static_cast<int64_t>(sizeof(TW)));
   for (int64_t k = 0; k < K; ++k) {
     const TW* row = panel + k * kPanel;
-    if (V0 == 0) __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead * kPanel), 0, 3);
+    if (V0 == 0)
+      for (int64_t b = 0; b < kPanel * static_cast<int64_t>(sizeof(TW)); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(row + kAhead * kPanel) + b, 0, 3);
     gemm_vf wv[NV];
     for (int v = 0; v < NV; v += 2) gemm_load_pair(row + (V0 + v) * kGemmLanes, &wv[v], &wv[v + 1]);
     for (int i = 0; i < MR; ++i) {
