@@ -310,6 +310,33 @@ def test_lserve_streaming_heads_keep_sink_and_window_and_retrieval_heads_read_k_
             assert phys == by_step[seq_len - 1] | {last}
 
 
+def test_lserve_reused_answers_equal_a_fresh_selection(tiny_dir):
+    """LServe returns a layer's last answer while nothing it depends on changed (no choice due, no page started or
+    released, no row crossing the budget): at every such step it must equal a fresh selection (sequences join,
+    finish and start pages at different steps)."""
+    params = dict(budget=8, physical_page=8, sink_tokens=4, local_tokens=8, reuse_interval=8,
+                  streaming_heads=[[0, 1], [2, 0], [3, 1]])
+    policy = load_policy("lserve", params)
+    engine = _engine(tiny_dir, policy, max_num_seqs=2)
+    select, reused = policy.select_pages, []
+
+    def checked_select(kv, step):
+        before = dict(policy._last_read)
+        pages = select(kv, step)
+        if step.layer in before and policy._last_read[step.layer] is before[step.layer]:    # answered from before
+            fresh = policy._read_pages(kv, step, [])
+            width = kv.max_pages
+            assert (pages is None) == (fresh is None)
+            if pages is not None:
+                assert torch.equal(selection.as_mask(pages, width), selection.as_mask(fresh, width))
+            reused.append(step.layer)
+        return pages
+    policy.select_pages = checked_select
+    rng = random.Random(5)
+    _generate(engine, _prompts([rng.randint(20, 70) for _ in range(6)], seed=5), max_new=32)
+    assert len(reused) > 40
+
+
 def test_bad_params_fail_in_one_line(tiny_dir):
     with pytest.raises(ValueError, match="engine.page_size"):          # the page size is the engine's alone
         _engine(tiny_dir, load_policy("quest", dict(budget=3 * P + 1)))

@@ -120,6 +120,10 @@ class LServe(Policy):
         self._chosen = torch.zeros(slots, kv.num_layers, kv.num_kv_heads * self._group, phys, dtype=torch.bool,
                                    device=kv.device)
         self._has_choice = torch.zeros(slots, kv.num_layers, dtype=torch.bool, device=kv.device)
+        # bumped whenever a layer's choices or its streaming heads' resident pages change; _epoch on any reset/fork
+        self._version = [0] * kv.num_layers
+        self._epoch = 0
+        self._last_read: dict[int, tuple[tuple, torch.Tensor | None]] = {}     # per layer: (key, pages it read)
 
     def _streaming_list(self, kv: KVDims) -> list[tuple[int, int]]:
         if self.streaming_heads is not None:
@@ -165,6 +169,7 @@ class LServe(Policy):
     def reset(self, slot: int) -> None:
         if hasattr(self, "_has_choice"):
             self._has_choice[slot] = False
+            self._epoch += 1
 
     # ---- streaming heads: sink + sliding local window --------------------------------------------------------------
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -175,6 +180,7 @@ class LServe(Policy):
         drop = torch.arange(self.sink_pages, n_pages - 1 - self.local_pages, device=kv.device)
         hh, pp = heads.repeat_interleave(drop.numel()), drop.repeat(heads.numel())
         kv.release_device_pages(torch.full_like(hh, seq.slot), torch.full_like(hh, layer), hh, pp)
+        self._version[layer] += 1
 
     def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         """A query-agnostic question appended after the context: the streaming heads' window moves past it, so the
@@ -188,26 +194,42 @@ class LServe(Policy):
         live = kv.block_table[seq.slot, layer, hh, pp] != 0
         hh, pp = hh[live], pp[live]
         kv.release_device_pages(torch.full_like(hh, seq.slot), torch.full_like(hh, layer), hh, pp)
+        self._version[layer] += 1
 
     def fork(self, kv: KVView, src: int, dst: int) -> None:
         self._chosen[dst] = self._chosen[src]
         self._has_choice[dst] = self._has_choice[src]
+        self._epoch += 1
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         heads = self._stream_heads[step.layer]
-        if heads.numel() == 0:
+        # a page leaves the window only on a step whose token starts a new page (every head holds seq_len tokens)
+        if heads.numel() == 0 or all((s.seq_len - 1) % kv.page_size for s in step.seqs):
             return
         last = (kv.num_tokens[step.slots][:, step.layer, heads].long() - 1) // kv.page_size      # [B, s]
         old = last - 1 - self.local_pages                                # the page that just left the window
         b, j = (old >= self.sink_pages).nonzero(as_tuple=True)
         s, h, page = step.slots[b], heads[j], old[b, j]
         live = kv.block_table[s, step.layer, h, page] != 0
-        if not bool(live.any()):        # a page leaves the window once per page of steps; released already
+        if not bool(live.any()):        # released already
             return
         kv.release_device_pages(s[live], torch.full_like(s[live], step.layer), h[live], page[live])
+        self._version[step.layer] += 1
 
     # ---- selection -------------------------------------------------------------------------------------------------
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
+        """What a layer reads changes only when a row's choice is due, a page starts or leaves a streaming head's
+        window, or a row crosses the budget: between those steps the layer's last answer is returned as it is."""
+        due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]
+        pages = [(s.slot, -(-s.seq_len // kv.page_size), s.seq_len > self.budget) for s in step.seqs]
+        last = self._last_read.get(step.layer)
+        if not due and last is not None and last[0] == (pages, self._epoch, self._version[step.layer]):
+            return last[1]
+        read = self._read_pages(kv, step, due)
+        self._last_read[step.layer] = ((pages, self._epoch, self._version[step.layer]), read)
+        return read
+
+    def _read_pages(self, kv: KVView, step: DecodeStep, due: list[int]) -> torch.Tensor | None:
         layer, slots, G = step.layer, step.slots, self._group
         # nothing is dropped (streaming heads release pages, not tokens), so every head of a sequence holds its
         # seq_len tokens: the page counts and which rows are past the budget are known here without a device op
@@ -221,7 +243,7 @@ class LServe(Policy):
         past = [s.seq_len > self.budget for s in step.seqs]             # rows whose retrieval units are sparse
         if units.numel() and any(past):
             sparse = torch.tensor(past, device=kv.device).view(-1, 1)
-            self._refresh(kv, step, units, num_pages, width)
+            self._refresh(kv, step, units, num_pages, width, due)
             wp = -(-width // self.sub)
             phys = self._chosen[slots, layer][:, units, :wp].clone()                           # [B, r, wp]
             last_phys = (num_pages[:, units] - 1) // self.sub
@@ -232,11 +254,10 @@ class LServe(Policy):
             return None
         return selection.compact(read)      # [B, Hq, K] per query head, [B, Hkv, K] per KV head
 
-    def _refresh(self, kv: KVView, step: DecodeStep, units: torch.Tensor, num_pages: torch.Tensor, width: int
-                 ) -> None:
-        """Recompute the physical-page choice of the rows whose reuse period is over."""
+    def _refresh(self, kv: KVView, step: DecodeStep, units: torch.Tensor, num_pages: torch.Tensor, width: int,
+                 due: list[int]) -> None:
+        """Recompute the physical-page choice of the rows whose reuse period is over (`due`) or that have none."""
         layer = step.layer
-        due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]
         stale = (~self._has_choice[step.slots, layer]).nonzero().view(-1).tolist()
         rows = sorted(set(due) | set(stale))
         if not rows:
@@ -261,6 +282,7 @@ class LServe(Policy):
         mask[..., :wp] = selection.as_mask(chosen, wp)
         self._chosen[s, layer, u] = mask
         self._has_choice[step.slots[r], layer] = True
+        self._version[layer] += 1
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
