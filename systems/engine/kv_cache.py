@@ -94,7 +94,7 @@ class TieredKVCache(TierCopies, WindowRelease):
         """Store prompt K/V [n, Hkv, D] of positions start .. start+n-1 for one layer, in position order: the whole
         prompt (start 0, fresh pages) or one chunk of it after the `start` tokens already stored (chunked prefill:
         the chunk fills the last page first, then fresh pages)."""
-        n, H, D = k.shape
+        n, H = k.shape[:2]
         P = self.page_size
         first, end = start // P, -(-(start + n) // P)
         have = -(-start // P)                                           # pages already holding the earlier tokens
@@ -239,22 +239,25 @@ class TieredKVCache(TierCopies, WindowRelease):
         tables = self.block_table[slots, layer, :, :max(1, -(-width // self.page_size))]
         return self.ops.token_probs(q, self.k_pool, tables, counts, self.scale, width)
 
-    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
-                    width: int | None = None) -> torch.Tensor:
+    def _minmax_read(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None, width: int | None
+                     ) -> tuple[torch.Tensor, int]:
+        """Pages each listed head holds [B, h] and the scored width, with the MinMax bytes that read counted."""
         counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
         n_pages = -(-counts.long() // self.page_size)
         width = int(n_pages.max()) if width is None else width
         self.minmax_bytes_read += slots.numel() * n_pages.shape[-1] * width * self.minmax_bytes_per_page
+        return n_pages, width
+
+    def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
+                    width: int | None = None) -> torch.Tensor:
+        n_pages, width = self._minmax_read(slots, layer, heads, width)
         # one layer's MinMax cache as a view: the kernels read the rows and heads in place
         return self.ops.page_scores(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
                                     slots, heads)
 
     def ranked_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, k: list[int],
                      heads: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
-        counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
-        n_pages = -(-counts.long() // self.page_size)
-        width = int(n_pages.max()) if width is None else width
-        self.minmax_bytes_read += slots.numel() * n_pages.shape[-1] * width * self.minmax_bytes_per_page
+        n_pages, width = self._minmax_read(slots, layer, heads, width)
         return self.ops.ranked_pages(q, self.kmin[:, layer, :, :width], self.kmax[:, layer, :, :width], n_pages,
                                      slots, heads, torch.tensor(k, device=self.device))
 

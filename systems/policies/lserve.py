@@ -221,7 +221,7 @@ class LServe(Policy):
         """What a layer reads changes only when a row's choice is due, a page starts or leaves a streaming head's
         window, or a row crosses the budget: between those steps the layer's last answer is returned as it is."""
         due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]
-        pages = [(s.slot, -(-s.seq_len // kv.page_size), s.seq_len > self.budget) for s in step.seqs]
+        pages = [(s.slot, s.pages(kv.page_size), s.seq_len > self.budget) for s in step.seqs]
         last = self._last_read.get(step.layer)
         if not due and last is not None and last[0] == (pages, self._epoch, self._version[step.layer]):
             return last[1]
@@ -233,7 +233,7 @@ class LServe(Policy):
         layer, slots, G = step.layer, step.slots, self._group
         # nothing is dropped (streaming heads release pages, not tokens), so every head of a sequence holds its
         # seq_len tokens: the page counts and which rows are past the budget are known here without a device op
-        pages = [-(-s.seq_len // kv.page_size) for s in step.seqs]
+        pages = [s.pages(kv.page_size) for s in step.seqs]
         width = max(pages)
         num_pages = torch.tensor(pages, device=kv.device).view(-1, 1).expand(-1, kv.num_kv_heads * G)   # [B, units]
         valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)

@@ -99,7 +99,7 @@ class Quest(Policy):
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
         P, H = kv.page_size, kv.num_kv_heads
-        held = [-(-seq.seq_len // P) for seq in step.seqs]
+        held = [seq.pages(P) for seq in step.seqs]
         reads = [self.pages_for(seq.seq_len) for seq in step.seqs]
         # reading every page a sequence holds is dense attention, whichever rule chose it
         dense = self.layer_rank(step.layer) < self.skip_layers or reads == held   # the first managed layers

@@ -43,6 +43,11 @@ class SeqInfo:
     decode_step: int        # 0 during prefill, 1 at the first decode step, then 2, 3, ...
     max_new_tokens: int
 
+    def pages(self, page_size: int) -> int:
+        """Pages each head of this sequence spans under a policy that drops no token (every head then holds all
+        seq_len tokens, resident or not): known on the host, where reading num_tokens would be a device op."""
+        return -(-self.seq_len // page_size)
+
 
 @dataclass
 class DecodeStep:
