@@ -1,12 +1,12 @@
 """The engine's loop: takes new requests and aborts from an inbox, steps, posts each step's new tokens.
 
-The engine is not thread-safe, so every engine call happens on one thread; the HTTP side (systems.server) talks to
-it only through submit/abort and each request's asyncio queue. That thread is best the one that built the engine
-(`run()` on it; `python -m systems.server` does so on its main thread): torch's OpenMP runtime keeps one worker team
-per thread that ran parallel work, and two teams on a machine's cores throttle the workers' spin-waiting, so the
-hundreds of short parallel ops of a step each wake sleeping workers (on 2 cores a 256-token mixed step took 8-20 %
-longer and kept 1.7 cores busy instead of 2.0 when stepped from a second thread). `start()` runs it on a thread of
-its own, for servers inside a test or notebook.
+The engine is not thread-safe, so every engine call happens on one thread; the HTTP side (systems.openai_server)
+talks to it only through submit/abort and each request's asyncio queue. That thread is best the one that built the
+engine (`run()` on it; `python -m systems.server` does so on its main thread): torch's OpenMP runtime keeps one
+worker team per thread that ran parallel work, and two teams on a machine's cores throttle the workers' spin-
+waiting, so the hundreds of short parallel ops of a step each wake sleeping workers (on 2 cores a 256-token mixed
+step took 8-20 % longer and kept 1.7 cores busy instead of 2.0 when stepped from a second thread). `start()` runs it
+on a thread of its own, for servers inside a test or notebook.
 
 One request's failure is its own: the engine finishes a failing sequence with finish_reason "error" and goes on
 with the rest of the batch (Engine.step), and this loop posts that error to that request alone. A request the

@@ -1,4 +1,4 @@
-"""OpenAI API pieces for systems/server.py: request bodies -> validated parameters, JSON errors, streamed text.
+"""OpenAI API pieces for systems/openai_server.py: request bodies -> validated parameters, JSON errors, streamed text.
 
 Accepted as in vLLM's server: `prompt` as text, token ids, or a one-element list of either; `max_tokens`
 (chat: also `max_completion_tokens`) defaulting to the context left after the prompt; `ignore_eos`;

@@ -324,7 +324,8 @@ def test_lserve_reused_answers_equal_a_fresh_selection(tiny_dir):
         before = dict(policy._last_read)
         pages = select(kv, step)
         if step.layer in before and policy._last_read[step.layer] is before[step.layer]:    # answered from before
-            fresh = policy._read_pages(kv, step, [])
+            fresh = policy._read_pages(kv, step, [], [s.pages(kv.page_size) for s in step.seqs],
+                                       [s.seq_len > policy.budget for s in step.seqs])
             width = kv.max_pages
             assert (pages is None) == (fresh is None)
             if pages is not None:

@@ -21,7 +21,7 @@ POLICIES = {"dense": {}, "flexicache": dict(budget=32, rerank_interval=2, unstab
 
 def _start(tiny_llama_dir, policy: str):
     from systems.engine.system import EngineSystem
-    from systems.server import start_in_thread
+    from systems.openai_server import start_in_thread
 
     engine = SimpleNamespace(device_memory_gb=0.01, host_memory_gb=0.01, max_num_seqs=4, page_size=16)
     system = EngineSystem(str(tiny_llama_dir), policy, POLICIES[policy], engine=engine, dtype="float32")

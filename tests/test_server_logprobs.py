@@ -17,7 +17,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 def _serve(model_dir, policy: str = "dense", params: dict | None = None, **engine):
     from systems.engine.system import EngineSystem
-    from systems.server import start_in_thread
+    from systems.openai_server import start_in_thread
 
     system = EngineSystem(str(model_dir), policy, params or {}, engine=SimpleNamespace(**{**vars(ENGINE), **engine}),
                           dtype="float32")

@@ -221,26 +221,27 @@ class LServe(Policy):
         """What a layer reads changes only when a row's choice is due, a page starts or leaves a streaming head's
         window, or a row crosses the budget: between those steps the layer's last answer is returned as it is."""
         due = [b for b, s in enumerate(step.seqs) if s.seq_len % self.reuse_interval == 0]
-        pages = [(s.slot, s.pages(kv.page_size), s.seq_len > self.budget) for s in step.seqs]
+        # nothing is dropped (streaming heads release pages, not tokens): every head of a sequence spans its seq_len
+        # tokens, so the page counts and which rows are past the budget are known here without a device op
+        pages = [s.pages(kv.page_size) for s in step.seqs]
+        past = [s.seq_len > self.budget for s in step.seqs]             # rows whose retrieval units are sparse
+        key = ([s.slot for s in step.seqs], pages, past, self._epoch, self._version[step.layer])
         last = self._last_read.get(step.layer)
-        if not due and last is not None and last[0] == (pages, self._epoch, self._version[step.layer]):
+        if not due and last is not None and last[0] == key:
             return last[1]
-        read = self._read_pages(kv, step, due)
-        self._last_read[step.layer] = ((pages, self._epoch, self._version[step.layer]), read)
+        read = self._read_pages(kv, step, due, pages, past)
+        self._last_read[step.layer] = ((*key[:3], self._epoch, self._version[step.layer]), read)
         return read
 
-    def _read_pages(self, kv: KVView, step: DecodeStep, due: list[int]) -> torch.Tensor | None:
+    def _read_pages(self, kv: KVView, step: DecodeStep, due: list[int], pages: list[int], past: list[bool]
+                    ) -> torch.Tensor | None:
         layer, slots, G = step.layer, step.slots, self._group
-        # nothing is dropped (streaming heads release pages, not tokens), so every head of a sequence holds its
-        # seq_len tokens: the page counts and which rows are past the budget are known here without a device op
-        pages = [s.pages(kv.page_size) for s in step.seqs]
         width = max(pages)
         num_pages = torch.tensor(pages, device=kv.device).view(-1, 1).expand(-1, kv.num_kv_heads * G)   # [B, units]
         valid = torch.arange(width, device=kv.device).view(1, 1, -1) < num_pages.unsqueeze(-1)
         # streaming heads read what they still hold (sink + local window)
         read = (kv.block_table[slots, layer, :, :width] != 0).repeat_interleave(G, 1) & valid
         units = self._retrieval_units[layer]
-        past = [s.seq_len > self.budget for s in step.seqs]             # rows whose retrieval units are sparse
         if units.numel() and any(past):
             sparse = torch.tensor(past, device=kv.device).view(-1, 1)
             self._refresh(kv, step, units, num_pages, width, due)

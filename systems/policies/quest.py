@@ -97,7 +97,7 @@ class Quest(Policy):
         self._head_steps[dst] = self._head_steps[src]
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
-        # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
+        # nothing is dropped: SeqInfo.pages is what every head holds, known without a device sync
         P, H = kv.page_size, kv.num_kv_heads
         held = [seq.pages(P) for seq in step.seqs]
         reads = [self.pages_for(seq.seq_len) for seq in step.seqs]

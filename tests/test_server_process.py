@@ -1,0 +1,81 @@
+"""How the engine server runs: the engine loop on the thread that calls run() (the command line's main thread, which
+built the engine), HTTP on another, and a clean exit on SIGTERM."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+
+@pytest.fixture(scope="module")
+def system(tiny_llama_dir):
+    from systems.engine.system import EngineSystem
+
+    engine = SimpleNamespace(device_memory_gb=0.01, host_memory_gb=0.01, max_num_seqs=2, page_size=16)
+    return EngineSystem(str(tiny_llama_dir), "dense", {}, engine=engine, dtype="float32")
+
+
+def test_engine_loop_steps_on_the_thread_that_runs_it(system):
+    """engine_thread=False: the app starts no engine thread; whoever calls loop.run() steps the engine (the command
+    line's main thread, which built it), /health is 200 while it runs and 503 once stop_soon() ended it."""
+    from systems.openai_server import start_in_thread
+
+    running = start_in_thread(system, "tiny", engine_thread=False)
+    loop, stepped_on = running.server.loop, set()
+    engine_step = loop.engine.step
+
+    def step():
+        stepped_on.add(threading.current_thread().name)
+        return engine_step()
+
+    loop.engine.step = step
+    try:
+        assert httpx.get(running.url + "/health").status_code == 503      # nobody steps yet
+        runner = threading.Thread(target=loop.run, name="caller")
+        runner.start()
+        reply = httpx.post(running.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "The quick", "max_tokens": 3, "temperature": 0})
+        assert reply.status_code == 200 and httpx.get(running.url + "/health").status_code == 200
+        loop.stop_soon()
+        runner.join(timeout=10)
+        assert not runner.is_alive() and stepped_on == {"caller"}
+        assert httpx.get(running.url + "/health").status_code == 503
+    finally:
+        del loop.engine.step
+        loop.stop_soon()
+        running.close()
+
+
+def test_cli_server_stops_cleanly_on_sigterm(tiny_llama_dir):
+    """`python -m systems.server` steps its engine on the main thread and serves HTTP from a second one; SIGTERM ends
+    the engine loop, then HTTP, and the process exits 0."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "systems.server", "--model", str(tiny_llama_dir),
+                             "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32",
+                             "--device-memory-gb", "0.05", "--host-memory-gb", "0.05"])
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        reply = httpx.post(url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "The quick", "max_tokens": 4, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
