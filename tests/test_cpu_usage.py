@@ -14,13 +14,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 
 def _spin(until: float) -> None:
-    while time.time() < until:
-        pass
-
-
-def _spin_without_gil(until: float) -> None:
-    """Busy as _spin, but hashing 1 MiB releases the GIL (as a load running in another process would leave it free),
-    so the trace's sampling thread keeps its pace."""
+    """Keep one core busy. Hashing 1 MiB releases the GIL (as a load running in another process leaves it free), so a
+    trace's sampling thread in this process keeps its pace."""
     block = bytes(1 << 20)
     while time.time() < until:
         hashlib.sha256(block)
@@ -53,7 +48,7 @@ def test_trace_reads_the_busy_end_of_its_window_alone():
     while, and /proc counts CPU time in 10 ms ticks)."""
     with CpuTrace(every_s=0.05) as meter:
         time.sleep(0.6)
-        _spin_without_gil(time.time() + 1.0)
+        _spin(time.time() + 1.0)
     assert meter.usage is not None
     whole, end = meter.usage, meter.usage_of_last(0.5)
     assert 0.2 < whole.cores_busy < 0.85
