@@ -19,32 +19,36 @@ DEFERRING = ["streaming", "tova", "h2o", "cake", "cake_nocascade", "snapkv"]
 needs_kernels = pytest.mark.skipif(not cpu_kernels.has_fused_decode(), reason="CPU kernels not built")
 
 
-def _instrumented(path, name: str, defer: bool, blocks: int):
-    """An engine whose fused step defers eviction or not, recording each step's logits and which hook ran."""
-    engine = _engine(path, load_policy(MODULE.get(name, name), POLICIES[name]), blocks)
-    assert engine.runner.fused is not None
-    engine.runner.fused.defer = defer
-    record: dict = {"logits": [], "deferred": 0, "per_layer": 0}
+def instrument(engine, hooks: tuple[str, ...]) -> dict:
+    """Record each engine step's logits and count the calls of the named policy hooks (the record, by name)."""
+    record: dict = {"logits": [], **{hook: 0 for hook in hooks}}
     run_step, policy = engine.runner.run_step, engine.policy
-    after_decode_step, after_append = policy.after_decode_step, policy.after_append
 
     def logged_run_step(decodes, chunks):
         out = run_step(decodes, chunks)
         record["logits"].append(out.clone())
         return out
 
-    def logged_after_decode_step(kv, step):
-        record["deferred"] += 1
-        after_decode_step(kv, step)
+    def counted(hook: str):
+        method = getattr(policy, hook)
 
-    def logged_after_append(kv, step):
-        record["per_layer"] += 1
-        after_append(kv, step)
+        def call(*args):
+            record[hook] += 1
+            return method(*args)
+        return call
 
     engine.runner.run_step = logged_run_step
-    policy.after_decode_step = logged_after_decode_step
-    policy.after_append = logged_after_append
-    return engine, record
+    for hook in hooks:
+        setattr(policy, hook, counted(hook))
+    return record
+
+
+def _instrumented(path, name: str, defer: bool, blocks: int):
+    """An engine whose fused step defers eviction or not, recording each step's logits and which hook ran."""
+    engine = _engine(path, load_policy(MODULE.get(name, name), POLICIES[name]), blocks)
+    assert engine.runner.fused is not None
+    engine.runner.fused.defer = defer
+    return engine, instrument(engine, ("after_decode_step", "after_append"))
 
 
 def _state(engine) -> dict:
@@ -63,32 +67,41 @@ def _state(engine) -> dict:
     return {key: value.clone() for key, value in out.items()}
 
 
-def _lockstep(path, name: str, requests: list, arrive_at: list[int], blocks: int, kept: str | None = None):
-    (deferred, dlog), (per_layer, plog) = (_instrumented(path, name, defer, blocks) for defer in (True, False))
+def lockstep(engines: tuple, logs: tuple[dict, dict], requests: list, arrive_at: list[int]) -> tuple[list, list]:
+    """Run two engines over the same arrivals, one step each in turn, asserting after every step that they hold the
+    same state (_state), logits bits and preemptions; then the same outputs and kv_stats. Returns their sequences."""
     pending, step, seqs = sorted(zip(arrive_at, range(len(requests))), key=lambda p: p[0]), 0, ([], [])
-    while pending or deferred.scheduler.has_work() or per_layer.scheduler.has_work():
+    first, second = engines
+    while pending or first.scheduler.has_work() or second.scheduler.has_work():
         while pending and pending[0][0] <= step:
             i = pending.pop(0)[1]
-            for engine, out in zip((deferred, per_layer), seqs):
+            for engine, out in zip(engines, seqs):
                 out.append(engine.add_request(requests[i]))
-        deferred.step()
-        per_layer.step()
-        a, b = _state(deferred), _state(per_layer)
+        first.step()
+        second.step()
+        a, b = _state(first), _state(second)
         for key in a:
-            assert torch.equal(a[key], b[key]), f"{name}: {key} differs after step {step}"
-        assert len(dlog["logits"]) == len(plog["logits"])
-        assert all(torch.equal(x, y) for x, y in zip(dlog["logits"], plog["logits"])), f"logits at step {step}"
-        assert deferred.scheduler.num_preemptions == per_layer.scheduler.num_preemptions
+            assert torch.equal(a[key], b[key]), f"{key} differs after step {step}"
+        assert len(logs[0]["logits"]) == len(logs[1]["logits"])
+        assert all(torch.equal(x, y) for x, y in zip(logs[0]["logits"], logs[1]["logits"])), f"logits at step {step}"
+        assert first.scheduler.num_preemptions == second.scheduler.num_preemptions
+        assert first.kv.minmax_bytes_read == second.kv.minmax_bytes_read
         step += 1
         assert step < 5000
     for d, p in zip(*seqs):
         assert d.output_ids == p.output_ids and d.token_logprobs == p.token_logprobs and not d.error
         assert d.kv_stats == p.kv_stats
+    return seqs
+
+
+def _lockstep(path, name: str, requests: list, arrive_at: list[int], blocks: int, kept: str | None = None):
+    (deferred, dlog), (per_layer, plog) = (_instrumented(path, name, defer, blocks) for defer in (True, False))
+    lockstep((deferred, per_layer), (dlog, plog), requests, arrive_at)
     if kept is not None:
         assert deferred.release_prefix(kept) and per_layer.release_prefix(kept)
         assert torch.equal(_state(deferred)["free_device"], _state(per_layer)["free_device"])
-    assert dlog["deferred"] > 0 and plog["deferred"] == 0         # both kinds of eviction did run
-    assert plog["per_layer"] > dlog["per_layer"]
+    assert dlog["after_decode_step"] > 0 and plog["after_decode_step"] == 0      # both kinds of eviction did run
+    assert plog["after_append"] > dlog["after_append"]
     return deferred.scheduler.num_preemptions
 
 

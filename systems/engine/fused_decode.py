@@ -1,14 +1,16 @@
 """The CPU decode step as fused C++ layers (ops/cpu_decoder.cpp): one call per step, or two per layer around a policy.
 
-A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call, and so does
-one that evicts once per step (`after_decode_step`, run after the call, with each layer's q kept by it when the
-policy scores with them): nothing reads a layer's cache between its attention and the end of a fused step, so its
-eviction then sees and does exactly what its per-layer `after_append` would have. A policy with other decode-time
-hooks gets, per layer, `decode_layer_in` (norm, QKV, RoPE, KV append: returns q), its
-`select_pages`, `decode_layer_attend` (attention over exactly the pages it chose), `decode_layer_mlp` (output
-projection and MLP) and its `after_append` — the hook order of the per-op path (`after_append` runs after the MLP
-instead of before it, which nothing can observe: the MLP does not touch the KV cache). Every product is the skinny
-GEMM of ops/cpu_gemm.cpp, whose rows never depend on the batch, so batch-invariant mode needs no padded tiles here.
+A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call, and so do
+one whose page choice is a rule stated as data (`decode_page_rule`: the call runs it between each layer's append and
+attention, then hands the chosen sets to `pages_chosen`) and one that evicts once per step (`after_decode_step`, run
+after the call, with each layer's q kept by it when the policy scores with them): nothing reads a layer's cache
+between its attention and the end of a fused step, so its eviction then sees and does exactly what its per-layer
+`after_append` would have. A policy with other decode-time hooks gets, per layer, `decode_layer_in` (norm, QKV,
+RoPE, KV append: returns q), its `select_pages`, `decode_layer_attend` (attention over exactly the pages it chose),
+`decode_layer_mlp` (output projection and MLP) and its `after_append` — the hook order of the per-op path
+(`after_append` runs after the MLP instead of before it, which nothing can observe: the MLP does not touch the KV
+cache). Every product is the skinny GEMM of ops/cpu_gemm.cpp, whose rows never depend on the batch, so
+batch-invariant mode needs no padded tiles here.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.linear import Linear
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
-from systems.policies.base import DecodeLayers, DecodeStep, Policy, SeqInfo
+from systems.policies.base import DecodeLayers, DecodeStep, PageRule, Policy, SeqInfo
 
 if TYPE_CHECKING:
     from systems.engine.probe import PositionProbe
@@ -67,6 +69,8 @@ class FusedDecode:
         self.flat_weights = [t for layer in self.layers for t in layer]
         # False: a policy that could evict once per step runs its per-layer hooks (what deferring must equal)
         self.defer = True
+        # False: a policy with a page rule answers select_pages layer by layer (what running the rule must equal)
+        self.rules = True
         self.windows = [w or 0 for w in model.spec.layer_windows]
         self.rope_table = next(iter(model.rope_tables))
         self.last_selected: torch.Tensor | None = None
@@ -77,12 +81,17 @@ class FusedDecode:
         return self.defer and self.policy.defers_eviction() and type(self.policy).select_pages is Policy.select_pages
 
     @property
+    def page_rule(self) -> bool:
+        """Whether the policy's page choice runs inside the fused call, as the rule decode_page_rule states."""
+        return self.rules and type(self.policy).decode_page_rule is not Policy.decode_page_rule
+
+    @property
     def per_layer(self) -> bool:
         """Whether a step runs layer by layer, with the policy's hooks between the calls (policies that keep
-        Policy's no-op decode hooks, or evict once per step, run the whole stack in one call)."""
+        Policy's no-op decode hooks, state a page rule, or evict once per step, run the whole stack in one call)."""
         policy = type(self.policy)
-        return policy.select_pages is not Policy.select_pages or (policy.after_append is not Policy.after_append
-                                                                  and not self.deferred)
+        chooses = policy.select_pages is not Policy.select_pages and not self.page_rule
+        return chooses or (policy.after_append is not Policy.after_append and not self.deferred)
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
                clock: Callable[[str], None] | None = None, probe: PositionProbe | None = None) -> torch.Tensor:
@@ -96,15 +105,25 @@ class FusedDecode:
         store = (kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax)
         slots = slots.to(torch.int64).contiguous()
         delta: torch.Tensor | None = None
-        if not self.per_layer and clock is None:
+        whole, rule = not self.per_layer and clock is None, None
+        if whole and self.page_rule:
+            rule = self.policy.decode_page_rule(kv, DecodeLayers(slots=slots, seqs=infos, q=None))
+            whole = rule is not None
+        if whole:
             deferred, queries = self.deferred, None
             if deferred and self.policy.step_queries:
                 queries = torch.empty(len(self.layers), len(infos), nq, spec.head_dim, dtype=model.dtype)
+            chosen, rule_args = self._rule_args(rule, len(infos))
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
-                                      inter, eps, kv.scale, self.windows, queries)
-            if probe is not None:            # no hook ran inside the call: every layer read all it holds
+                                      inter, eps, kv.scale, self.windows, queries, *rule_args)
+            covered = set(rule.layers) if rule is not None else set()
+            if probe is not None:            # no hook ran inside the call: each layer read its rule's sets or all
                 for layer in range(len(self.layers)):
-                    probe.observe(layer, infos, None, self.windows[layer] or None)
+                    probe.observe(layer, infos, chosen[layer] if layer in covered else None,
+                                  self.windows[layer] or None)
+            if rule is not None:
+                self.last_selected = chosen[-1] if len(self.layers) - 1 in covered else None
+                self.policy.pages_chosen(kv, DecodeLayers(slots=slots, seqs=infos, q=None), rule, chosen)
             if deferred:
                 self.policy.after_decode_step(kv, DecodeLayers(slots=slots, seqs=infos, q=queries))
         else:
@@ -130,3 +149,17 @@ class FusedDecode:
                 if clock:
                     clock("rest")
         return ops.decode_logits(h, delta, model.norm, self.lm_head, model.lm_head.weight.shape[0], eps).float()
+
+    def _rule_args(self, rule: PageRule | None, batch: int) -> tuple[torch.Tensor, list]:
+        """decode_layers' page-rule arguments (none without a rule) and the [L, B, sets, K] tensor it fills; the
+        MinMax bytes the rule's scoring reads are counted here, as kv.ranked_pages / top_pages count them."""
+        if rule is None or not rule.layers:
+            return torch.empty(0), []
+        kv = self.kv
+        shape = rule.sets_shape(batch)
+        chosen = torch.full((len(self.layers), *shape), -1, dtype=torch.long)
+        kv.minmax_bytes_read += len(rule.layers) * batch * shape[1] * rule.width * kv.minmax_bytes_per_page
+        covered = set(rule.layers)
+        flags = [int(layer in covered) for layer in range(len(self.layers))]
+        return chosen, [chosen, flags, rule.heads, torch.tensor(rule.k, dtype=torch.long), rule.width, rule.ranked,
+                        rule.keep_last]

@@ -239,6 +239,10 @@ class TieredKVCache(TierCopies, WindowRelease):
         tables = self.block_table[slots, layer, :, :max(1, -(-width // self.page_size))]
         return self.ops.token_probs(q, self.k_pool, tables, counts, self.scale, width)
 
+    def pooled_victims(self, probs: torch.Tensor, counts: torch.Tensor, key: torch.Tensor, window: int, kernel: int,
+                       pooling: str, new_keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.ops.pooled_victims(probs, counts, key, window, kernel, pooling, new_keys)
+
     def _minmax_read(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None, width: int | None
                      ) -> tuple[torch.Tensor, int]:
         """Pages each listed head holds [B, h] and the scored width, with the MinMax bytes that read counted."""

@@ -12,6 +12,8 @@ this order for each sequence (identified by its `slot`, an integer in [0, max_nu
     ... per decode step, for the running batch:
     begin_decode_step(kv, seqs)                   before the forward; may kv.pause(slot) to skip a sequence this step
     select_pages(kv, step) -> pages | None        per layer, after the new token is appended, before attention
+      or decode_page_rule(kv, step) -> rule       once, before the forward, where the engine runs page rules in its
+         ... pages_chosen(kv, step, rule, sets)   fused step; then once after it with the sets the rule chose
     after_append(kv, step)                        per layer, after attention (the step saw the uncompressed cache)
       or after_decode_step(kv, step)              once, after every layer, in place of after_append where the
                                                   engine can defer it (see Policy.after_decode_step)
@@ -32,9 +34,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from systems.policies.view import DecodeLayers, DecodeStep, KVDims, KVView, SeqInfo, block_bytes
+from systems.policies.view import DecodeLayers, DecodeStep, KVDims, KVView, PageRule, SeqInfo, block_bytes
 
-__all__ = ["DecodeLayers", "DecodeStep", "KVDims", "KVView", "Policy", "SeqInfo", "block_bytes", "WINDOWED_LAYERS"]
+__all__ = ["DecodeLayers", "DecodeStep", "KVDims", "KVView", "PageRule", "Policy", "SeqInfo", "block_bytes",
+           "WINDOWED_LAYERS"]
 
 _REGISTRY_HINT = "systems/policies/<name>.py exposing POLICY"
 WINDOWED_LAYERS = ("window", "manage")      # what a policy may do on sliding-window layers (Policy.windowed_layers)
@@ -248,6 +251,18 @@ class Policy:
         """Before decode attention of step.layer: logical pages [B, Hkv, K] each head reads (see module docstring),
         or None for all pages. The new token is already appended (num_tokens and MinMax include it)."""
         return None
+
+    def decode_page_rule(self, kv: KVView, step: DecodeLayers) -> PageRule | None:
+        """A whole decode step's page choice as a rule (view.PageRule), where the engine can run one inside its fused
+        step instead of calling select_pages per layer: do now the bookkeeping select_pages would have done on every
+        managed layer of this step (the chosen sets then reach pages_chosen). Called once, before the forward, with
+        step.q None. None (default): the engine calls select_pages per layer. A policy that overrides it keeps
+        select_pages, which the engine's other paths call, and the two must choose the same pages."""
+        return None
+
+    def pages_chosen(self, kv: KVView, step: DecodeLayers, rule: PageRule, chosen: torch.Tensor) -> None:
+        """After a step run by decode_page_rule's rule: chosen [L, B, sets, K] holds at each of rule.layers the sets
+        select_pages would have answered there (rows of other layers are unspecified)."""
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         """After decode attention of step.layer: decode-time eviction through kv.drop_tokens / keep_tokens."""

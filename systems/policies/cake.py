@@ -236,29 +236,14 @@ class Cake(Policy):
         probs = kv.attention_probs(sub, at, step.q[over])                   # [B, Hq, N]
         counts = kv.num_tokens[sub, at].long()
         (b, hkv), n = counts.shape, probs.shape[-1]
-        g = probs.shape[1] // hkv
         rows = sub.long()
-        ranks = torch.arange(n, device=probs.device)
-        valid = ranks.view(1, 1, n) < counts.view(b, hkv, 1)
-        if self.decode_pool_order == "storage":
-            key = self.ledger.scores[rows, at, :, :n]
-        else:
-            key = self.ledger.view(sub, at, n)[0].float()
-        order = key.masked_fill(~valid, float("inf")).argsort(-1)          # storage index of each rank, padding last
-        ranked = probs.view(b, hkv, g, n).gather(-1, order.unsqueeze(2).expand(b, hkv, g, n))
-        outside = ranks.view(1, 1, n) >= (counts - self.window).view(b, hkv, 1)
-        ranked = ranked.masked_fill(outside.unsqueeze(2), 0.0)              # window and padding stay out of the pool
-        score = ind.pool1d(ranked, self.kernel, self.pooling).mean(2)
-        victim = score.masked_fill(outside, float("inf")).argmin(-1)        # [B, Hkv], a rank
-        index = order.gather(-1, victim.unsqueeze(-1)).squeeze(-1)
-        if self.decode_pool_order == "storage":
-            # the official top-k re-stores the prefix by descending pooled score, the window after it
-            desc = score.masked_fill(outside, float("-inf")).argsort(dim=-1, descending=True, stable=True)
-            every = ranks.expand(b, hkv, n)
-            new_rank = torch.empty_like(desc).scatter_(-1, desc, every)
-            rank_key = torch.where(outside, every, new_rank)
-            self.ledger.scores[rows, at, :, :n] = torch.empty_like(key).scatter_(-1, order, rank_key.float())
-        heads = torch.arange(hkv, device=probs.device).expand(b, hkv)
+        storage = self.decode_pool_order == "storage"
+        key = self.ledger.scores[rows, at, :, :n] if storage else self.ledger.view(sub, at, n)[0].float()
+        # the official top-k re-stores the prefix by descending pooled score, the window after it: the new keys
+        index, keys = kv.pooled_victims(probs, counts, key, self.window, self.kernel, self.pooling, new_keys=storage)
+        if keys is not None:
+            self.ledger.scores[rows, at, :, :n] = keys
+        heads = torch.arange(hkv, device=slots.device).expand(b, hkv)
         self.ledger.drop(kv, sub.view(-1, 1).expand(b, hkv).reshape(-1), step.rows_at(over, hkv), heads.reshape(-1),
                          index.reshape(-1))
 

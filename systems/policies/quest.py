@@ -14,6 +14,8 @@ Granularity `query_head` (default) is the accuracy path's: after repeat_kv every
 its own query and attends to its own pages; the engine reads the union of a KV head's group selections once from
 the grouped cache (K/V are never copied per query head), and the pages-read counter counts that union. `kv_head` is
 the project's cheaper variant, in neither official path: one set per KV head, the bound maxed over its query group.
+Either rule is also stated as data (`decode_page_rule`), so the CPU's fused decode step runs it inside its one call
+per step, with no Python between layers, and chooses exactly what `select_pages` would.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo
+from systems.policies.base import DecodeLayers, DecodeStep, KVDims, KVView, PageRule, Policy, SeqInfo
 from systems.policy_support import selection
 
 RULES = ("accuracy_path", "efficiency_kernels")
@@ -81,7 +83,8 @@ class Quest(Policy):
         self._uncounted: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._head_steps = [0] * slots
         self._group = kv.num_q_heads // kv.num_kv_heads
-        self._query_heads = torch.arange(kv.num_kv_heads, device=kv.device).repeat_interleave(self._group)
+        self._kv_heads = torch.arange(kv.num_kv_heads, device=kv.device)
+        self._query_heads = self._kv_heads.repeat_interleave(self._group)
 
     def reset(self, slot: int) -> None:
         if hasattr(self, "_pages_read"):
@@ -96,18 +99,31 @@ class Quest(Policy):
         self._union_read[dst] = self._union_read[src]
         self._head_steps[dst] = self._head_steps[src]
 
-    def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
-        # nothing is dropped: SeqInfo.pages is what every head holds, known without a device sync
-        P, H = kv.page_size, kv.num_kv_heads
-        held = [seq.pages(P) for seq in step.seqs]
-        reads = [self.pages_for(seq.seq_len) for seq in step.seqs]
-        # reading every page a sequence holds is dense attention, whichever rule chose it
-        dense = self.layer_rank(step.layer) < self.skip_layers or reads == held   # the first managed layers
+    def _step_reads(self, seqs: list[SeqInfo]) -> tuple[list[int], list[int]]:
+        """Pages each sequence's heads hold (nothing is dropped: known without a device sync) and read at a sparse
+        layer under the chosen rule."""
+        return [seq.pages(self.page_size) for seq in seqs], [self.pages_for(seq.seq_len) for seq in seqs]
+
+    def _dense_at(self, layer: int, held: list[int], reads: list[int]) -> bool:
+        # the first managed layers attend densely; reading every page a sequence holds is dense attention too,
+        # whichever rule chose it
+        return self.layer_rank(layer) < self.skip_layers or reads == held
+
+    def _count_layer(self, seqs: list[SeqInfo], held: list[int], reads: list[int], dense: bool) -> bool:
+        """Count one layer's head steps and pages read; returns whether its sets are per query head (their reads
+        are counted later, as the unions of each KV head's sets)."""
         per_query = not dense and self.granularity == "query_head" and self._group > 1
-        for seq, n, k in zip(step.seqs, held, reads):
+        H = self.num_kv_heads
+        for seq, n, k in zip(seqs, held, reads):
             if not per_query:
                 self._pages_read[seq.slot] += H * (n if dense else k)
             self._head_steps[seq.slot] += H
+        return per_query
+
+    def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
+        held, reads = self._step_reads(step.seqs)
+        dense = self._dense_at(step.layer, held, reads)
+        per_query = self._count_layer(step.seqs, held, reads, dense)
         if dense:
             return None
         width = max(held)
@@ -122,6 +138,24 @@ class Quest(Policy):
             self._defer_union(step.slots, chosen, width)
         return chosen
 
+    def decode_page_rule(self, kv: KVView, step: DecodeLayers) -> PageRule:
+        held, reads = self._step_reads(step.seqs)
+        layers, per_query = [], False
+        for layer in self.managed_layers:                 # select_pages' bookkeeping, every managed layer at once
+            dense = self._dense_at(layer, held, reads)
+            per_query = self._count_layer(step.seqs, held, reads, dense) or per_query
+            if not dense:
+                layers.append(layer)
+        efficiency = self.selection_rule == "efficiency_kernels"
+        return PageRule(layers=tuple(layers), k=[self.pages_per_step] * len(reads) if efficiency else reads,
+                        heads=self._query_heads if per_query else self._kv_heads, width=max(held),
+                        ranked=not efficiency, keep_last=True)
+
+    def pages_chosen(self, kv: KVView, step: DecodeLayers, rule: PageRule, chosen: torch.Tensor) -> None:
+        if rule.layers and rule.heads.numel() > self.num_kv_heads:       # per-query-head sets: count their unions
+            self._count_unions()
+            self._add_unions(step.slots, chosen[list(rule.layers)], rule.width)
+
     def _defer_union(self, slots: torch.Tensor, chosen: torch.Tensor, width: int) -> None:
         """Queue one layer's per-query-head sets [B, Hq, K] over `width` pages for _count_unions."""
         last = self._uncounted[-1] if self._uncounted else None
@@ -135,11 +169,15 @@ class Quest(Policy):
         step's slots, another width or a full list flush them first), so one mask over all their layers counts them."""
         if not self._uncounted:
             return
-        slots, chosen, width = self._uncounted[0]
+        slots, _, width = self._uncounted[0]
         stacked = torch.stack([c for _, c, _ in self._uncounted])                     # [L, B, Hq, K]
         self._uncounted = []
+        self._add_unions(slots, stacked, width)
+
+    def _add_unions(self, slots: torch.Tensor, stacked: torch.Tensor, width: int) -> None:
+        """Add the per-KV-head unions of per-query-head sets [L, B, Hq, K] over `width` pages to _union_read."""
         n_layers, b = stacked.shape[:2]
-        union = selection.as_mask(stacked.view(n_layers, b, self.num_kv_heads, -1), width)
+        union = selection.as_mask(stacked.reshape(n_layers, b, self.num_kv_heads, -1), width)
         self._union_read.index_add_(0, slots, union.sum((0, 2, 3)))
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:

@@ -91,6 +91,26 @@ class DecodeLayers:
                           layers=index.repeat_interleave(b))
 
 
+@dataclass(frozen=True)
+class PageRule:
+    """A decode step's page choice stated as data, for an engine that runs it inside its own step instead of calling
+    `select_pages` between a layer's halves (Policy.decode_page_rule). At each layer in `layers`, the sets are what
+    KVView.ranked_pages(slots, layer, q, k, heads, width) returns (ranked) or KVView.top_pages(slots, layer, q, k[0],
+    keep_last, heads, width) (not ranked), for that layer's queries after the new token's append; every other layer
+    reads all it holds. Running the rule must equal select_pages answering those sets at those layers."""
+
+    layers: tuple[int, ...]     # the layers whose pages the rule chooses, ascending
+    k: list[int]                # pages per head of each sequence of the step, in order (top: one k for all)
+    heads: torch.Tensor         # [sets] the KV head each page set scores: one set per KV head or per query head
+    width: int                  # pages scored per head (the most any sequence of the step holds)
+    ranked: bool = True         # best first, ties to the lower page; False: top_pages' ascending sets
+    keep_last: bool = True      # top_pages only: the last page always read
+
+    def sets_shape(self, batch: int) -> tuple[int, int, int]:
+        """[B, sets, K] of one layer's answer."""
+        return batch, self.heads.numel(), min(max(self.k) if self.ranked else self.k[0], self.width)
+
+
 class KVDims(Protocol):
     """The model's attention shape and the engine's paging: what a policy may know before any storage exists."""
 
@@ -137,6 +157,16 @@ class KVView(KVDims, Protocol):
         order, for a decode-time eviction's scores: q [R, Hq, D] of the rows (slots[i], layer or layer[i]) ->
         fp32 [R, Hq, N] (N = the most tokens a listed head holds), exactly 0 past a head's count. Each row is
         computed alone: its probabilities depend on neither the other rows nor the thread count."""
+
+    def pooled_victims(self, probs: torch.Tensor, counts: torch.Tensor, key: torch.Tensor, window: int, kernel: int,
+                       pooling: str, new_keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode-time eviction's victims by attention pooled along an order of the tokens, with the engine's
+        kernel: per (row, KV head) of `probs` [R, Hq, N] (attention_probs), the tokens ranked by `key` [R, Hkv, N]
+        ascending, the group's probabilities pooled along those ranks (pooling avgpool | maxpool | none, kernel,
+        stride 1, zero padding kernel // 2) with the last `window` ranks of its count [R, Hkv] zeroed, averaged over
+        the group; the victim is the first lowest of the ranks below count - window. Returns the victims' storage
+        indices [R, Hkv] and, with new_keys, each token's place in a stable descending order of its pooled score
+        (the window keeping its rank) [R, Hkv, N] fp32."""
 
     def score_pages(self, slots: torch.Tensor, layer: int, q: torch.Tensor, heads: torch.Tensor | None = None,
                     width: int | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 _FUNCTIONS = {
     "kv": ("store_kv", "update_minmax", "page_minmax", "store_prompt", "append_decode"),
     "attention": ("prompt_attention", "paged_decode_attention", "sparse_decode_attention", "gather_selected",
-                  "token_probs", "layer_decode_attention"),
+                  "token_probs", "pooled_victims", "layer_decode_attention"),
     "scoring": ("page_scores", "top_pages", "ranked_pages", "resident_pages"),
 }
 

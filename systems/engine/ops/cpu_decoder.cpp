@@ -8,10 +8,12 @@
 // attention are the same code as the per-op path (cpu_rows.h, cpu_attention.h), so they round where it rounds; the
 // products use the skinny GEMM (cpu_gemm.h), whose rows never depend on their batch.
 //
-// A policy that chooses pages or evicts at decode time still runs in Python between two halves of a layer:
-// decode_layer_in (up to the KV append, returning q) and decode_layer_out (attention over its pages and the rest);
-// decode_layers runs whole layers for a policy that reads every page (and, for one that evicts once per step after
-// every layer, hands back each layer's q, so its eviction scores see exactly the queries the per-layer hook saw).
+// A policy that chooses pages or evicts at decode time by its own code runs in Python between two halves of a layer:
+// decode_layer_in (up to the KV append, returning q) and decode_layer_attend / decode_layer_mlp (attention over its
+// pages and the rest). decode_layers runs whole layers for a policy that reads every page, for one that evicts once
+// per step after every layer (handing back each layer's q, so its eviction scores see exactly the queries the
+// per-layer hook saw), and for one whose page choice is a rule stated as data (Quest's top pages by the MinMax
+// bound): the rule then runs here, with the scoring kernels of cpu_scoring.cpp, between the append and attention.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -19,6 +21,7 @@
 
 #include "cpu_attention.h"
 #include "cpu_gemm.h"
+#include "cpu_scoring.h"
 
 // the elementwise kernels round each product and sum on their own, as torch's separate ops do
 #pragma GCC push_options
@@ -166,6 +169,33 @@ at::Tensor layer_mlp(at::Tensor& h, const at::Tensor& attn, const at::Tensor& wo
   return delta;
 }
 
+// A decode step's page rule: at each layer it covers, every listed page set (`heads`: the KV head each set scores,
+// one set per KV head or one per query head) reads the pages the Quest bound of its query chooses over the first
+// `width` pages: ranked, the k[b] best best-first (ranked_pages); otherwise the top k[0] ascending, the last page
+// kept when keep_last (top_pages). The sets go to chosen[layer], where the caller reads them after the step.
+struct PageRule {
+  at::Tensor chosen, heads, k, slots;
+  std::vector<int64_t> layers;     // 1 where the rule chooses, per layer from `first`
+  int64_t width = 0;
+  bool ranked = true, keep_last = false;
+
+  bool covers(int64_t layer, int64_t first) const {
+    return !layers.empty() && layers[static_cast<size_t>(layer - first)] != 0;
+  }
+
+  at::Tensor choose(const at::Tensor& q, const Storage& st, int64_t layer) const {
+    const at::Tensor lo = st.kmin.select(1, layer).narrow(2, 0, width);
+    const at::Tensor hi = st.kmax.select(1, layer).narrow(2, 0, width);
+    const at::Tensor counts = st.num_tokens.select(1, layer);
+    at::Tensor sel = ranked ? ranked_pages(q, lo, hi, pages_from_tokens(counts, st.P, slots, heads), slots, heads, k)
+                            : top_pages(q, lo, hi, counts, st.P, k.data_ptr<int64_t>()[0], keep_last, slots, heads);
+    at::Tensor out = chosen.select(0, layer);
+    TORCH_CHECK(sel.sizes() == out.sizes(), "decode_layers: chosen [L, B, sets, K] must fit the rule's page sets");
+    out.copy_(sel);
+    return sel;
+  }
+};
+
 template <typename F>
 void by_dtype(const at::Tensor& t, F&& f) {
   if (t.scalar_type() == at::kBFloat16) {
@@ -242,14 +272,19 @@ at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tens
 // Layers [first, last) of a decode step for a policy that reads every page. weights: 7 per layer from `first`
 // (ln1, qkv, qkv bias or an empty tensor, o, ln2, gate_up, down; the products packed by skinny_pack); windows: each
 // layer's sliding window (0: none). queries: [L, B, Hq, D] in the model dtype, or none; row `layer` receives that
-// layer's post-RoPE q (a deferred eviction scores with it after the step).
+// layer's post-RoPE q (a deferred eviction scores with it after the step). A page rule (see PageRule) is given by
+// chosen [L, B, sets, K] int64, rule_layers (1 per layer it covers, empty: none), rule_heads [sets], rule_k [B]
+// int64, rule_width, rule_ranked and keep_last; the covered layers attend over exactly the sets it wrote.
 // Returns the last layer's delta (h updated).
 at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at::TensorList weights,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                          const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& num_tokens,
                          const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots, int64_t first,
                          int64_t last, int64_t num_q_heads, int64_t intermediate, double eps, double scale,
-                         at::IntArrayRef windows, const c10::optional<at::Tensor>& queries) {
+                         at::IntArrayRef windows, const c10::optional<at::Tensor>& queries,
+                         const c10::optional<at::Tensor>& chosen, at::IntArrayRef rule_layers,
+                         const c10::optional<at::Tensor>& rule_heads, const c10::optional<at::Tensor>& rule_k,
+                         int64_t rule_width, bool rule_ranked, bool keep_last) {
   check_rows(h, delta);
   TORCH_CHECK(!queries.has_value() || (queries->dim() == 4 && queries->size(0) >= last &&
                                        queries->scalar_type() == h.scalar_type()),
@@ -257,6 +292,18 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * (last - first) &&
               static_cast<int64_t>(windows.size()) == last - first, "decode_layers: 7 weights and a window per layer");
   Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
+  PageRule rule;
+  if (!rule_layers.empty()) {
+    TORCH_CHECK(static_cast<int64_t>(rule_layers.size()) == last - first && chosen.has_value() &&
+                rule_heads.has_value() && rule_k.has_value() && rule_width >= 1,
+                "decode_layers: a page rule needs chosen, a flag per layer, heads, k and its width");
+    TORCH_CHECK(chosen->dim() == 4 && chosen->scalar_type() == at::kLong && chosen->size(0) >= last &&
+                rule_k->scalar_type() == at::kLong && rule_k->is_contiguous() && rule_k->numel() == h.size(0),
+                "decode_layers: chosen [L, B, sets, K] int64, k [B] int64");
+    TORCH_CHECK(rule_width <= st.M, "decode_layers: the rule's width exceeds the pages a head can hold");
+    rule = PageRule{*chosen, rule_heads->to(at::kLong).contiguous(), *rule_k, slots,
+                    std::vector<int64_t>(rule_layers.begin(), rule_layers.end()), rule_width, rule_ranked, keep_last};
+  }
   std::vector<float> wide;
   at::Tensor d = delta.has_value() ? *delta : at::Tensor();
   by_dtype(h, [&](auto tag) {
@@ -267,7 +314,9 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
       at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
                                  num_q_heads, eps, wide);
       if (queries.has_value()) queries->select(0, layer).copy_(q);
-      d = layer_mlp<T>(h, attend<T>(q, at::Tensor(), st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6], intermediate, eps, wide);
+      const at::Tensor sel = rule.covers(layer, first) ? rule.choose(q, st, layer) : at::Tensor();
+      d = layer_mlp<T>(h, attend<T>(q, sel, st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6],
+                       intermediate, eps, wide);
     }
   });
   return d;
@@ -306,7 +355,8 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, Tensor cos, Tensor sin, Tensor(b!) k_pool, "
         "Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, Tensor(f!) kmax, "
         "Tensor slots, int first, int last, int num_q_heads, int intermediate, float eps, float scale, int[] windows, "
-        "Tensor(g!)? queries=None) -> Tensor",
+        "Tensor(g!)? queries=None, Tensor(h!)? chosen=None, int[] rule_layers=[], Tensor? rule_heads=None, "
+        "Tensor? rule_k=None, int rule_width=0, bool rule_ranked=True, bool keep_last=False) -> Tensor",
         &decode_layers);
   m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor",
         &decode_logits);

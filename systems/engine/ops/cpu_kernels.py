@@ -21,6 +21,7 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
 MAX_PAGE, MAX_GROUP = 256, 16
+_POOLINGS = {"none": 0, "avgpool": 1, "maxpool": 2}      # pooled_victims' pooling codes
 
 
 BUILD_WAIT_S = float(os.environ.get("KVHARNESS_BUILD_WAIT_S", "600"))
@@ -244,6 +245,17 @@ def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, cou
         return torch_attention.token_probs(q, k_pool, tables, counts, scale, width)
     return torch.ops.kvharness_cpu.token_probs(q, k_pool, tables.to(torch.int32), counts.to(torch.int32),
                                                float(scale), int(width))
+
+
+def pooled_victims(probs: torch.Tensor, counts: torch.Tensor, key: torch.Tensor, window: int, kernel: int,
+                   pooling: str, new_keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as torch_attention.pooled_victims; one task per (row, KV head), sorted and pooled in place."""
+    if (probs.dtype != torch.float32 or key.dtype != torch.float32 or not available()
+            or not hasattr(torch.ops.kvharness_cpu, "pooled_victims")):
+        return torch_attention.pooled_victims(probs, counts, key, window, kernel, pooling, new_keys)
+    index, keys = torch.ops.kvharness_cpu.pooled_victims(probs, counts, key, int(window), int(kernel),
+                                                         _POOLINGS[pooling], bool(new_keys))
+    return index, keys if new_keys else None
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pages: torch.Tensor,

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_scoring.h"
 
 namespace {
 
@@ -260,6 +261,10 @@ at::Tensor page_scores(const at::Tensor& q, const at::Tensor& kmin, const at::Te
   return out;
 }
 
+}  // namespace
+
+namespace kvh {
+
 // Pages each (rows[b], heads[j]) holds, from a [S, H'] token-count table of any strides (int32 or int64).
 at::Tensor pages_from_tokens(const at::Tensor& num_tokens, int64_t page_size, const at::Tensor& rows,
                              const at::Tensor& heads) {
@@ -325,6 +330,10 @@ at::Tensor ranked_pages(const at::Tensor& q, const at::Tensor& kmin, const at::T
   return out;
 }
 
+}  // namespace kvh
+
+namespace {
+
 // The device-resident logical pages of each (row, head), ascending, -1-padded to the longest list: table
 // [B, H, W] int32 block ids (0 = not resident, any strides), num_pages [B, H]; pages >= num_pages are ignored.
 at::Tensor resident_pages(const at::Tensor& table, const at::Tensor& num_pages) {
@@ -361,8 +370,8 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("page_scores(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, Tensor rows, Tensor heads) -> Tensor",
         &page_scores);
   m.def("top_pages(Tensor q, Tensor kmin, Tensor kmax, Tensor num_tokens, int page_size, int k, bool keep_last, "
-        "Tensor rows, Tensor heads) -> Tensor", &top_pages);
+        "Tensor rows, Tensor heads) -> Tensor", &kvh::top_pages);
   m.def("ranked_pages(Tensor q, Tensor kmin, Tensor kmax, Tensor num_pages, Tensor rows, Tensor heads, Tensor k) "
-        "-> Tensor", &ranked_pages);
+        "-> Tensor", &kvh::ranked_pages);
   m.def("resident_pages(Tensor table, Tensor num_pages) -> Tensor", &resident_pages);
 }

@@ -6,12 +6,19 @@
 // scoring took longer than the model. Here every (row, KV head) is one task: its keys are read in place through
 // its block table, its group's logits and softmax computed in a fixed order, so a row's probabilities depend on
 // neither the other rows, nor the thread count, nor which thread ran it.
+//
+// The pooled_victims op is the rest of such an eviction where the scores are pooled along an order of the tokens
+// (CAKE's decode rule): in torch two argsorts, a gather and the pooling over every (row, KV head) cost more per step
+// than all of a short context's attention; here each (row, KV head) is one task, sorting and pooling in place.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <tuple>
 #include <vector>
 
 #include "cpu_common.h"
@@ -92,9 +99,133 @@ at::Tensor token_probs(const at::Tensor& q, const at::Tensor& k_pool, const at::
   return out;
 }
 
+// One (row, KV head) of pooled_victims: probs [G rows of stride N], keys [N], count tokens of which the first
+// `inside` ranks may be evicted. Returns the victim's storage index; fills next_keys [N] when given. pooling: 0
+// none, 1 average (zeros counted, divided by the kernel), 2 max; window of output m: ranks [m - kernel / 2, + kernel).
+// A float's order as an unsigned key (-0 folded into +0, so equal floats stay equal keys).
+inline uint64_t order_bits(float x) {
+  uint32_t b;
+  x += 0.0f;
+  std::memcpy(&b, &x, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// idx[0 .. n) sorted by value ascending (descending when `desc`), ties to the lower index: a stable sort's order.
+// An LSD radix sort of the 32-bit order keys, a byte per pass (skipped where every key shares it): stable, so equal
+// values keep index order, and free of the data-dependent branches that made std::sort the kernel's main cost.
+void sort_by(const float* value, int64_t n, bool desc, std::vector<uint64_t>& words, std::vector<uint64_t>& spare,
+             int64_t* idx) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t k = order_bits(value[i]);
+    words[i] = ((desc ? 0xFFFFFFFFull - k : k) << 32) | static_cast<uint64_t>(i);
+  }
+  uint64_t* from = words.data();
+  uint64_t* to = spare.data();
+  for (int shift = 32; shift < 64; shift += 8) {
+    int64_t start[257] = {0};
+    for (int64_t i = 0; i < n; ++i) ++start[((from[i] >> shift) & 255) + 1];
+    if (std::find(start + 1, start + 257, n) != start + 257) continue;      // one byte value: nothing moves
+    for (int d = 0; d < 256; ++d) start[d + 1] += start[d];
+    for (int64_t i = 0; i < n; ++i) to[start[(from[i] >> shift) & 255]++] = from[i];
+    std::swap(from, to);
+  }
+  for (int64_t i = 0; i < n; ++i) idx[i] = static_cast<int64_t>(from[i] & 0xFFFFFFFFull);
+}
+
+int64_t head_victim(const float* probs, int G, int64_t N, const float* key, int64_t count, int64_t inside,
+                    int64_t kernel, int pooling, float* next_keys, std::vector<int64_t>& order,
+                    std::vector<float>& ranked, std::vector<float>& pool, std::vector<float>& score,
+                    std::vector<int64_t>& by_score, std::vector<uint64_t>& words,
+                    std::vector<uint64_t>& spare) {
+  sort_by(key, count, false, words, spare, order.data());
+  std::iota(order.begin() + count, order.end(), count);  // padding (storage index >= count) keeps its place, last
+  const int64_t pad = kernel / 2;
+  const bool pooled = pooling != 0 && kernel > 1;
+  // pooling windows read `ranked` through pad entries on each side: 0 for the average (adding +0 to
+  // a sum of non-negative terms changes no bit, so each sum equals the clipped window's), -inf for the maximum;
+  // each output's sum runs over its window in order, vectorised across outputs
+  const float fill = pooling == 2 ? -INFINITY : 0.0f;
+  std::fill(ranked.begin(), ranked.end(), fill);
+  float* x = ranked.data() + pad;
+  for (int g = 0; g < G; ++g) {
+    const float* row = probs + g * N;
+    for (int64_t m = 0; m < N; ++m) x[m] = m < inside ? row[order[m]] : 0.0f;
+    const float* v = x;
+    if (pooled) {
+      float* acc = pool.data();
+      if (pooling == 1) {
+        std::fill(acc, acc + N, 0.0f);
+        for (int64_t d = 0; d < kernel; ++d) {
+          const float* in = x - pad + d;
+          for (int64_t m = 0; m < N; ++m) acc[m] += in[m];
+        }
+        const float k = static_cast<float>(kernel);
+        for (int64_t m = 0; m < N; ++m) acc[m] /= k;
+      } else {
+        std::fill(acc, acc + N, -INFINITY);
+        for (int64_t d = 0; d < kernel; ++d) {
+          const float* in = x - pad + d;
+          for (int64_t m = 0; m < N; ++m) acc[m] = in[m] > acc[m] ? in[m] : acc[m];
+        }
+      }
+      v = acc;
+    }
+    for (int64_t m = 0; m < N; ++m) score[m] = g == 0 ? v[m] : score[m] + v[m];   // the group's sum, head order
+  }
+  int64_t victim = 0;
+  for (int64_t m = 0; m < inside; ++m) {
+    score[m] /= static_cast<float>(G);
+    if (score[m] < score[victim]) victim = m;             // the first lowest
+  }
+  if (next_keys != nullptr) {
+    sort_by(score.data(), inside, true, words, spare, by_score.data());
+    for (int64_t j = 0; j < inside; ++j) next_keys[order[by_score[j]]] = static_cast<float>(j);
+    for (int64_t m = inside; m < N; ++m) next_keys[order[m]] = static_cast<float>(m);
+  }
+  return order[victim];
+}
+
+// Same contract as torch_attention.pooled_victims: probs [R, Hq, N] fp32, counts [R, Hkv], key [R, Hkv, N] fp32.
+std::tuple<at::Tensor, at::Tensor> pooled_victims(const at::Tensor& probs, const at::Tensor& counts,
+                                                  const at::Tensor& key, int64_t window, int64_t kernel,
+                                                  int64_t pooling, bool new_keys) {
+  TORCH_CHECK(probs.dim() == 3 && probs.scalar_type() == at::kFloat, "pooled_victims: probs [R, Hq, N] fp32");
+  const int64_t R = probs.size(0), Hq = probs.size(1), N = probs.size(2), Hkv = counts.size(1);
+  TORCH_CHECK(counts.dim() == 2 && counts.size(0) == R && Hkv > 0 && Hq % Hkv == 0,
+              "pooled_victims: counts [R, Hkv] of probs' rows and heads");
+  TORCH_CHECK(key.dim() == 3 && key.size(0) == R && key.size(1) == Hkv && key.size(2) == N &&
+              key.scalar_type() == at::kFloat, "pooled_victims: key [R, Hkv, N] fp32");
+  TORCH_CHECK(pooling >= 0 && pooling <= 2 && kernel >= 1, "pooled_victims: pooling 0 (none), 1 (avg), 2 (max)");
+  const at::Tensor p = probs.contiguous(), c = counts.to(at::kLong).contiguous(), k = key.contiguous();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  for (int64_t i = 0; i < R * Hkv; ++i)
+    TORCH_CHECK(cp[i] <= N && cp[i] - window >= 1, "pooled_victims: every head needs a token outside its window");
+  at::Tensor index = at::empty({R, Hkv}, c.options());
+  at::Tensor keys = new_keys ? at::empty({R, Hkv, N}, k.options()) : at::Tensor();
+  const float* pp = p.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  int64_t* ip = index.data_ptr<int64_t>();
+  float* out = new_keys ? keys.data_ptr<float>() : nullptr;
+  const int G = static_cast<int>(Hq / Hkv);
+  kvh::parallel_tasks(R * Hkv, [&](auto next) {
+    std::vector<int64_t> order(N), by_score(N);
+    std::vector<float> ranked(N + 2 * kernel), pool(N), score(N);
+    std::vector<uint64_t> words(N), spare(N);
+    for (int64_t i; (i = next()) < R * Hkv;) {
+      const int64_t r = i / Hkv, h = i % Hkv;
+      ip[i] = head_victim(pp + (r * Hq + h * G) * N, G, N, kp + i * N, cp[i], cp[i] - window, kernel,
+                          static_cast<int>(pooling), out ? out + i * N : nullptr, order, ranked, pool, score, by_score,
+                          words, spare);
+    }
+  });
+  return {index, keys};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("token_probs(Tensor q, Tensor k_pool, Tensor tables, Tensor counts, float scale, int width) -> Tensor",
         &token_probs);
+  m.def("pooled_victims(Tensor probs, Tensor counts, Tensor key, int window, int kernel, int pooling, bool new_keys) "
+        "-> (Tensor, Tensor)", &pooled_victims);
 }

@@ -139,6 +139,39 @@ def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, cou
     return out
 
 
+def pooled_victims(probs: torch.Tensor, counts: torch.Tensor, key: torch.Tensor, window: int, kernel: int,
+                   pooling: str, new_keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode-time eviction by attention pooled along an order (CAKE's): per (row, KV head), its tokens ranked by
+    `key` ascending (stable; padding last), its query group's `probs` [R, Hq, N] taken in that rank order, the last
+    `window` ranks and the padding zeroed, pooled along the ranks (stride 1, padding kernel // 2: `avgpool` counting
+    the zeros, `maxpool`, or `none`) and averaged over the group. The victim is the first lowest score among the
+    ranks below count - window (each row needs at least one). counts [R, Hkv] int, key [R, Hkv, N] fp32. Returns
+    the victims' storage indices [R, Hkv] int64 and, with new_keys, each token's next key [R, Hkv, N]: its place in
+    a stable descending order of the pooled scores, the window keeping its rank."""
+    b, hkv = counts.shape
+    n, g = probs.shape[-1], probs.shape[1] // hkv
+    counts = counts.long()
+    ranks = torch.arange(n, device=probs.device)
+    valid = ranks.view(1, 1, n) < counts.view(b, hkv, 1)
+    order = key.masked_fill(~valid, float("inf")).argsort(dim=-1, stable=True)   # storage index of each rank
+    ranked = probs.view(b, hkv, g, n).gather(-1, order.unsqueeze(2).expand(b, hkv, g, n))
+    outside = ranks.view(1, 1, n) >= (counts - window).view(b, hkv, 1)
+    ranked = ranked.masked_fill(outside.unsqueeze(2), 0.0)               # window and padding stay out of the pool
+    if pooling != "none" and kernel > 1:
+        flat = ranked.reshape(-1, 1, n)
+        pool = torch.nn.functional.avg_pool1d if pooling == "avgpool" else torch.nn.functional.max_pool1d
+        ranked = pool(flat, kernel_size=kernel, padding=kernel // 2, stride=1)[..., :n].reshape(b, hkv, g, n)
+    score = ranked.mean(2)
+    victim = score.masked_fill(outside, float("inf")).argmin(-1)            # [R, Hkv], a rank
+    index = order.gather(-1, victim.unsqueeze(-1)).squeeze(-1)
+    if not new_keys:
+        return index, None
+    desc = score.masked_fill(outside, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+    every = ranks.expand(b, hkv, n)
+    rank_key = torch.where(outside, every, torch.empty_like(desc).scatter_(-1, desc, every))
+    return index, torch.empty_like(key).scatter_(-1, order, rank_key.to(key.dtype))
+
+
 def layer_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,
                            num_tokens: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, slots: torch.Tensor,
                            layer: int, selected: torch.Tensor | None, scale: float,

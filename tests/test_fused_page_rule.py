@@ -1,0 +1,53 @@
+"""A page rule run inside the fused step (Policy.decode_page_rule) equals select_pages answered layer by layer.
+
+Two engines run the same requests in lockstep (test_deferred_eviction.lockstep), one running Quest's rule inside the
+fused C++ step and one asking select_pages between each layer's halves; after every engine step they must hold the
+same logits bits, cache state and MinMax bytes read, and finish with the same tokens and the same kv_stats (pages
+read per head step included), for both of Quest's selection rules, both granularities, with and without dense first
+layers.
+"""
+import random
+
+import pytest
+import torch
+
+from systems.base import GenerationRequest
+from systems.engine.ops import cpu_kernels
+from systems.policies import load_policy
+from tests.test_deferred_eviction import instrument, lockstep
+from tests.test_engine_invariants import POLICIES, P, _engine
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_fused_decode(), reason="CPU kernels not built")
+
+
+def _instrumented(path, params: dict, rules: bool):
+    engine = _engine(path, load_policy("quest", params), blocks=400)
+    assert engine.runner.fused is not None
+    engine.runner.fused.rules = rules
+    return engine, instrument(engine, ("decode_page_rule", "select_pages"))
+
+
+@pytest.mark.parametrize("rule", ["accuracy_path", "efficiency_kernels"])
+@pytest.mark.parametrize("granularity", ["query_head", "kv_head"])
+@pytest.mark.parametrize("skip_layers", [0, 1])
+def test_rule_in_the_fused_step_equals_select_pages_per_layer(tiny_llama_dir, rule, granularity, skip_layers):
+    params = dict(budget=3 * P, skip_layers=skip_layers, granularity=granularity, selection_rule=rule)
+    (fused, flog), (layered, llog) = (_instrumented(tiny_llama_dir, params, rules) for rules in (True, False))
+    rng = random.Random(7)
+    g = torch.Generator().manual_seed(7)
+    # prompts shorter and longer than the budget, arriving over time: batches mix dense and sparse sequences
+    requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(3, 60),), generator=g).tolist(),
+                                  rng.randint(4, 24), ignore_eos=True, logprob_steps=0) for i in range(7)]
+    lockstep((fused, layered), (flog, llog), requests, [rng.randint(0, 12) for _ in requests])
+    assert fused.kv.minmax_bytes_read > 0                                      # some layers did choose pages
+    assert flog["decode_page_rule"] > 0 and llog["decode_page_rule"] == 0      # each engine ran its kind of choice
+    assert llog["select_pages"] > 0 and flog["select_pages"] < llog["select_pages"]   # (mixed steps: per layer)
+
+
+def test_a_policy_without_a_rule_still_runs_layer_by_layer(tiny_llama_dir):
+    for name in ("lserve", "quest"):
+        engine = _engine(tiny_llama_dir, load_policy(name, POLICIES[name]), blocks=100)
+        fused = engine.runner.fused
+        assert fused.page_rule == (name == "quest") and fused.per_layer == (name == "lserve")
+        fused.rules = False
+        assert fused.per_layer
