@@ -97,5 +97,30 @@ class BlockPool:
         self._stack[self._top:self._top + n] = released.sort(descending=True).values
         self._top += n
 
+    def free_runs(self, ids: torch.Tensor, runs: torch.Tensor) -> None:
+        """free() once per run of equal `runs` values (ascending: e.g. the layer of each block), in run order. Where
+        no block is shared or listed twice this is one pass: each run's blocks go onto the free list in descending
+        order, runs in order, so the list ends exactly as the separate calls leave it, without their ~15 ops each."""
+        ids = ids.reshape(-1).to(device="cpu", dtype=torch.long)
+        runs = runs.reshape(-1).to(device="cpu", dtype=torch.long)
+        if ids.numel() == 0:
+            return
+        if bool((runs[1:] < runs[:-1]).any()):
+            raise ValueError(f"{self.tier} tier: free_runs needs its runs in ascending order")
+        if self.num_shared or ids.unique().numel() != ids.numel():
+            _, counts = torch.unique_consecutive(runs, return_counts=True)
+            start = 0
+            for n in counts.tolist():
+                self.free(ids[start:start + n])
+                start += n
+            return
+        if bool((ids <= 0).any()) or bool((ids >= self.num_blocks).any()) or bool((self.refs[ids] != 1).any()) \
+                or self._top + ids.numel() > self.capacity:
+            raise RuntimeError(f"{self.tier} tier: freeing invalid or already-free blocks")
+        self.refs[ids] = 0
+        order = torch.argsort(runs * self.num_blocks - ids)             # run ascending, then block id descending
+        self._stack[self._top:self._top + ids.numel()] = ids[order].to(torch.int32)
+        self._top += ids.numel()
+
     def reset_peak(self) -> None:
         self.peak_used = self.num_used

@@ -348,10 +348,8 @@ class TieredKVCache(TierCopies, WindowRelease):
         emptied = last % P == 0
         if bool(emptied.any()):          # once per page of drops: the last page's block is freed
             if isinstance(layer, torch.Tensor):
-                # one free per layer, in layer order: the free list then stacks exactly as per-layer calls left it
-                freed = blk_last[emptied]
-                for _, part in zip(*_layer_runs(layer[emptied])):
-                    self.device_blocks.free(freed[part])
+                # as one free per layer, in layer order: the free list then stacks exactly as per-layer calls left it
+                self.device_blocks.free_runs(blk_last[emptied], layer[emptied])
             else:
                 self.device_blocks.free(blk_last[emptied])
             table[rows[emptied], last_page[emptied]] = 0
