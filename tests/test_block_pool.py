@@ -35,4 +35,6 @@ def test_free_runs_refuses_free_blocks_and_unsorted_runs():
         pool.free_runs(torch.tensor([1, 2]), torch.tensor([3, 1]))
     with pytest.raises(RuntimeError, match="already-free"):
         pool.free_runs(torch.tensor([1, 35]), torch.tensor([0, 1]))      # block 35 was never allocated
-    assert pool.num_free == 9                                             # nothing changed
+    with pytest.raises(ValueError, match="one run value per block"):
+        pool.free_runs(torch.tensor([1, 2]), torch.tensor([0]))
+    assert pool.num_free == 9 and int(pool.refs.sum()) == 30              # nothing changed

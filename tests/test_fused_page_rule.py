@@ -51,3 +51,20 @@ def test_a_policy_without_a_rule_still_runs_layer_by_layer(tiny_llama_dir):
         assert fused.page_rule == (name == "quest") and fused.per_layer == (name == "lserve")
         fused.rules = False
         assert fused.per_layer
+
+
+def test_a_bad_rule_fails_before_the_step_changes_the_cache(tiny_llama_dir):
+    from systems.policies.view import PageRule
+
+    engine = _engine(tiny_llama_dir, load_policy("quest", dict(budget=P, skip_layers=0)), blocks=100)
+    seq = engine.add_request(GenerationRequest("r", list(range(3, 40)), 8, ignore_eos=True))
+    engine.step()                                                        # the prefill
+    seq.token_ids.append(5)                                              # the next token to decode
+    slots = torch.tensor([seq.slot])
+    engine.kv.allocate_decode(slots, engine.kv.decode_blocks_needed(slots))
+    before = engine.kv.num_tokens.clone(), engine.kv.k_pool.clone()
+    bad = PageRule(layers=(0, 1), k=[1], heads=torch.tensor([0, 99]), width=10)
+    engine.policy.decode_page_rule = lambda kv, step: bad
+    with pytest.raises(RuntimeError, match="not a KV head"), torch.inference_mode():
+        engine.runner.fused.logits(torch.tensor([5]), torch.tensor([len(seq.token_ids) - 1]), slots, [seq.info()])
+    assert torch.equal(engine.kv.num_tokens, before[0]) and torch.equal(engine.kv.k_pool, before[1])

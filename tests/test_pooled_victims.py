@@ -65,14 +65,13 @@ def test_kernel_equals_the_reference_bit_for_bit():
     if not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
     g = torch.Generator().manual_seed(0)
-    for group, kernel, pooling, window in itertools.product([1, 2, 3], [1, 4, 5], list(CODES), [0, 3, 32]):
+    for group, kernel, pooling, window in itertools.product([1, 2, 3, 4], [1, 4, 5], list(CODES), [0, 3, 32]):
         n = 300 if window == 32 else 90
         probs, counts, key = _case(g, rows=5, hkv=3, group=group, n=n, window=window)
         ref_index, ref_keys = torch_attention.pooled_victims(probs, counts, key, window, kernel, pooling, True)
         index, keys = torch.ops.kvharness_cpu.pooled_victims(probs, counts, key, window, kernel, CODES[pooling], True)
-        held = torch.arange(n).view(1, 1, n) < counts.unsqueeze(-1)
         assert torch.equal(index, ref_index), (group, kernel, pooling, window)
-        assert torch.equal(keys[held], ref_keys[held]), (group, kernel, pooling, window)
+        assert torch.equal(keys, ref_keys), (group, kernel, pooling, window)      # padding slots included
         alone, none = cpu_kernels.pooled_victims(probs, counts, key, window, kernel, pooling, False)
         assert torch.equal(alone, index) and none is None
 
@@ -93,10 +92,26 @@ def test_kernel_rows_do_not_depend_on_the_batch_or_threads():
         torch.set_num_threads(threads)
 
 
-def test_a_head_without_a_token_outside_its_window_is_refused():
+def test_larger_groups_take_the_torch_path():
+    """torch's mean over 5 or more heads does not add them in order, so the op set sends those groups to torch."""
     if not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
+    g = torch.Generator().manual_seed(4)
+    for group in (5, 8, 16):
+        probs, counts, key = _case(g, rows=3, hkv=2, group=group, n=121, window=4)
+        probs = (probs * 8).round() / 8                                   # ties between candidates
+        ref = torch_attention.pooled_victims(probs, counts, key, 4, 5, "avgpool", True)
+        got = cpu_kernels.pooled_victims(probs, counts, key, 4, 5, "avgpool", True)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+        with pytest.raises(RuntimeError, match="at most 4"):
+            torch.ops.kvharness_cpu.pooled_victims(probs, counts, key, 4, 5, 1, True)
+
+
+def test_a_head_without_a_token_outside_its_window_is_refused():
     probs, counts, key = _case(torch.Generator().manual_seed(3), rows=1, hkv=1, group=1, n=10, window=2)
     counts[0, 0] = 2
-    with pytest.raises(RuntimeError, match="outside its window"):
-        cpu_kernels.pooled_victims(probs, counts, key, 2, 5, "avgpool", False)
+    with pytest.raises(ValueError, match="outside its window"):
+        torch_attention.pooled_victims(probs, counts, key, 2, 5, "avgpool", False)
+    if cpu_kernels.available():
+        with pytest.raises(RuntimeError, match="outside its window"):
+            torch.ops.kvharness_cpu.pooled_victims(probs, counts, key, 2, 5, 1, False)

@@ -103,6 +103,8 @@ class BlockPool:
         order, runs in order, so the list ends exactly as the separate calls leave it, without their ~15 ops each."""
         ids = ids.reshape(-1).to(device="cpu", dtype=torch.long)
         runs = runs.reshape(-1).to(device="cpu", dtype=torch.long)
+        if ids.numel() != runs.numel():
+            raise ValueError(f"{self.tier} tier: free_runs needs one run value per block")
         if ids.numel() == 0:
             return
         if bool((runs[1:] < runs[:-1]).any()):

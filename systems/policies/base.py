@@ -262,7 +262,8 @@ class Policy:
 
     def pages_chosen(self, kv: KVView, step: DecodeLayers, rule: PageRule, chosen: torch.Tensor) -> None:
         """After a step run by decode_page_rule's rule: chosen [L, B, sets, K] holds at each of rule.layers the sets
-        select_pages would have answered there (rows of other layers are unspecified)."""
+        select_pages would have answered there (rows of other layers are unspecified; an empty tensor when the rule
+        covers no layer)."""
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         """After decode attention of step.layer: decode-time eviction through kv.drop_tokens / keep_tokens."""

@@ -100,7 +100,7 @@ class PageRule:
     reads all it holds. Running the rule must equal select_pages answering those sets at those layers."""
 
     layers: tuple[int, ...]     # the layers whose pages the rule chooses, ascending
-    k: list[int]                # pages per head of each sequence of the step, in order (top: one k for all)
+    k: list[int]                # pages per head of each sequence of the step, in order (top: all equal)
     heads: torch.Tensor         # [sets] the KV head each page set scores: one set per KV head or per query head
     width: int                  # pages scored per head (the most any sequence of the step holds)
     ranked: bool = True         # best first, ties to the lower page; False: top_pages' ascending sets

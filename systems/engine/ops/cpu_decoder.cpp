@@ -301,7 +301,22 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
                 rule_k->scalar_type() == at::kLong && rule_k->is_contiguous() && rule_k->numel() == h.size(0),
                 "decode_layers: chosen [L, B, sets, K] int64, k [B] int64");
     TORCH_CHECK(rule_width <= st.M, "decode_layers: the rule's width exceeds the pages a head can hold");
-    rule = PageRule{*chosen, rule_heads->to(at::kLong).contiguous(), *rule_k, slots,
+    // every check before the first layer changes the cache: a bad rule fails with nothing appended
+    const at::Tensor heads = rule_heads->to(at::kLong).contiguous();
+    const int64_t* hp = heads.data_ptr<int64_t>();
+    const int64_t* kp = rule_k->data_ptr<int64_t>();
+    int64_t k_most = 0;
+    for (int64_t b = 0; b < h.size(0); ++b) {
+      TORCH_CHECK(kp[b] >= 1, "decode_layers: a rule reads at least one page per head");
+      k_most = std::max(k_most, kp[b]);
+    }
+    for (int64_t j = 0; j < heads.numel(); ++j)
+      TORCH_CHECK(hp[j] >= 0 && hp[j] < st.Hkv, "decode_layers: a rule's head is not a KV head");
+    TORCH_CHECK(heads.numel() > 0 && num_q_heads % heads.numel() == 0 && chosen->size(1) == h.size(0) &&
+                chosen->size(2) == heads.numel() &&
+                chosen->size(3) == std::min(rule_ranked ? k_most : kp[0], rule_width),
+                "decode_layers: chosen must be [L, B, sets, min(K, width)] for the rule's sets");
+    rule = PageRule{*chosen, heads, *rule_k, slots,
                     std::vector<int64_t>(rule_layers.begin(), rule_layers.end()), rule_width, rule_ranked, keep_last};
   }
   std::vector<float> wide;

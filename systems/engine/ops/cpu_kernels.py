@@ -250,8 +250,9 @@ def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, cou
 def pooled_victims(probs: torch.Tensor, counts: torch.Tensor, key: torch.Tensor, window: int, kernel: int,
                    pooling: str, new_keys: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as torch_attention.pooled_victims; one task per (row, KV head), sorted and pooled in place."""
-    if (probs.dtype != torch.float32 or key.dtype != torch.float32 or not available()
-            or not hasattr(torch.ops.kvharness_cpu, "pooled_victims")):
+    # the kernel sums a query group head by head, which is torch's order for a mean over at most 4 heads
+    if (probs.dtype != torch.float32 or key.dtype != torch.float32 or probs.shape[1] > 4 * counts.shape[1]
+            or not available() or not hasattr(torch.ops.kvharness_cpu, "pooled_victims")):
         return torch_attention.pooled_victims(probs, counts, key, window, kernel, pooling, new_keys)
     index, keys = torch.ops.kvharness_cpu.pooled_victims(probs, counts, key, int(window), int(kernel),
                                                          _POOLINGS[pooling], bool(new_keys))

@@ -99,9 +99,6 @@ at::Tensor token_probs(const at::Tensor& q, const at::Tensor& k_pool, const at::
   return out;
 }
 
-// One (row, KV head) of pooled_victims: probs [G rows of stride N], keys [N], count tokens of which the first
-// `inside` ranks may be evicted. Returns the victim's storage index; fills next_keys [N] when given. pooling: 0
-// none, 1 average (zeros counted, divided by the kernel), 2 max; window of output m: ranks [m - kernel / 2, + kernel).
 // A float's order as an unsigned key (-0 folded into +0, so equal floats stay equal keys).
 inline uint64_t order_bits(float x) {
   uint32_t b;
@@ -132,6 +129,9 @@ void sort_by(const float* value, int64_t n, bool desc, std::vector<uint64_t>& wo
   for (int64_t i = 0; i < n; ++i) idx[i] = static_cast<int64_t>(from[i] & 0xFFFFFFFFull);
 }
 
+// One (row, KV head) of pooled_victims: probs [G rows of stride N], keys [N], count tokens of which the first
+// `inside` ranks may be evicted. Returns the victim's storage index; fills next_keys [N] when given. pooling: 0
+// none, 1 average (zeros counted, divided by the kernel), 2 max; window of output m: ranks [m - kernel / 2, + kernel).
 int64_t head_victim(const float* probs, int G, int64_t N, const float* key, int64_t count, int64_t inside,
                     int64_t kernel, int pooling, float* next_keys, std::vector<int64_t>& order,
                     std::vector<float>& ranked, std::vector<float>& pool, std::vector<float>& score,
@@ -195,7 +195,10 @@ std::tuple<at::Tensor, at::Tensor> pooled_victims(const at::Tensor& probs, const
               "pooled_victims: counts [R, Hkv] of probs' rows and heads");
   TORCH_CHECK(key.dim() == 3 && key.size(0) == R && key.size(1) == Hkv && key.size(2) == N &&
               key.scalar_type() == at::kFloat, "pooled_victims: key [R, Hkv, N] fp32");
-  TORCH_CHECK(pooling >= 0 && pooling <= 2 && kernel >= 1, "pooled_victims: pooling 0 (none), 1 (avg), 2 (max)");
+  TORCH_CHECK(pooling >= 0 && pooling <= 2 && kernel >= 1 && window >= 0,
+              "pooled_victims: pooling 0 (none), 1 (avg), 2 (max), kernel >= 1, window >= 0");
+  // the group's sum is added head by head, which is torch's order for its mean over up to 4 heads only
+  TORCH_CHECK(Hq / Hkv <= 4, "pooled_victims: query groups of at most 4 heads (larger ones take the torch path)");
   const at::Tensor p = probs.contiguous(), c = counts.to(at::kLong).contiguous(), k = key.contiguous();
   const int64_t* cp = c.data_ptr<int64_t>();
   for (int64_t i = 0; i < R * Hkv; ++i)

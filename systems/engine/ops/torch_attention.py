@@ -147,10 +147,13 @@ def pooled_victims(probs: torch.Tensor, counts: torch.Tensor, key: torch.Tensor,
     the zeros, `maxpool`, or `none`) and averaged over the group. The victim is the first lowest score among the
     ranks below count - window (each row needs at least one). counts [R, Hkv] int, key [R, Hkv, N] fp32. Returns
     the victims' storage indices [R, Hkv] int64 and, with new_keys, each token's next key [R, Hkv, N]: its place in
-    a stable descending order of the pooled scores, the window keeping its rank."""
+    a stable descending order of the pooled scores, the window keeping its rank (padding slots get their rank in the
+    stable key order; a caller reads none of them)."""
     b, hkv = counts.shape
     n, g = probs.shape[-1], probs.shape[1] // hkv
     counts = counts.long()
+    if window < 0 or bool((counts - window < 1).any()):
+        raise ValueError("pooled_victims: every head needs a token outside its window (window >= 0)")
     ranks = torch.arange(n, device=probs.device)
     valid = ranks.view(1, 1, n) < counts.view(b, hkv, 1)
     order = key.masked_fill(~valid, float("inf")).argsort(dim=-1, stable=True)   # storage index of each rank
