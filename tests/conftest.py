@@ -32,11 +32,16 @@ def _save_tiny(path, config, tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tokenizer_dir):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), tokenizer_dir)
+
+
+def save_tiny_llama(path, tokenizer_dir, num_layers: int = 2):
+    """The tiny Llama's checkpoint (random weights, seed 0) with `num_layers` layers, in `path`."""
     from transformers import LlamaConfig
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), cfg, tokenizer_dir)
+    return _save_tiny(path, cfg, tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ Two engines run the same requests in lockstep (test_deferred_eviction.lockstep),
 fused C++ step and one asking select_pages between each layer's halves; after every engine step they must hold the
 same logits bits, cache state and MinMax bytes read, and finish with the same tokens and the same kv_stats (pages
 read per head step included), for both of Quest's selection rules, both granularities, with and without dense first
-layers.
+layers, and over managed layers that are not contiguous.
 """
 import random
 
@@ -14,14 +14,16 @@ import torch
 from systems.base import GenerationRequest
 from systems.engine.ops import cpu_kernels
 from systems.policies import load_policy
+from systems.policies.quest import Quest
+from tests.conftest import save_tiny_llama
 from tests.test_deferred_eviction import instrument, lockstep
 from tests.test_engine_invariants import POLICIES, P, _engine
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.has_fused_decode(), reason="CPU kernels not built")
 
 
-def _instrumented(path, params: dict, rules: bool):
-    engine = _engine(path, load_policy("quest", params), blocks=400)
+def _instrumented(path, params: dict, rules: bool, policy_class: type = Quest):
+    engine = _engine(path, policy_class(**params), blocks=400)
     assert engine.runner.fused is not None
     engine.runner.fused.rules = rules
     return engine, instrument(engine, ("decode_page_rule", "select_pages"))
@@ -42,6 +44,34 @@ def test_rule_in_the_fused_step_equals_select_pages_per_layer(tiny_llama_dir, ru
     assert fused.kv.minmax_bytes_read > 0                                      # some layers did choose pages
     assert flog["decode_page_rule"] > 0 and llog["decode_page_rule"] == 0      # each engine ran its kind of choice
     assert llog["select_pages"] > 0 and flog["select_pages"] < llog["select_pages"]   # (mixed steps: per layer)
+
+
+class OddLayersQuest(Quest):
+    """Quest on layers 0 and 2 only: the rule's layers skip one, which the fused step must index, not count."""
+
+    def configure(self, dims) -> None:
+        super().configure(dims)
+        self.managed_layers = (0, 2)
+        self._rank = {0: 0, 2: 1}
+
+
+@pytest.fixture(scope="module")
+def three_layer_llama_dir(tmp_path_factory, tokenizer_dir):
+    return save_tiny_llama(tmp_path_factory.mktemp("three_layer_llama"), tokenizer_dir, num_layers=3)
+
+
+@pytest.mark.parametrize("granularity", ["query_head", "kv_head"])
+def test_rule_over_layers_that_skip_one(three_layer_llama_dir, granularity):
+    params = dict(budget=3 * P, skip_layers=0, granularity=granularity)
+    (fused, flog), (layered, llog) = (_instrumented(three_layer_llama_dir, params, rules, OddLayersQuest)
+                                      for rules in (True, False))
+    assert [fused.policy.manages(layer) for layer in range(3)] == [True, False, True]
+    rng = random.Random(11)
+    g = torch.Generator().manual_seed(11)
+    requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(30, 70),), generator=g).tolist(),
+                                  rng.randint(4, 16), ignore_eos=True, logprob_steps=0) for i in range(4)]
+    lockstep((fused, layered), (flog, llog), requests, [rng.randint(0, 6) for _ in requests])
+    assert fused.kv.minmax_bytes_read > 0 and flog["decode_page_rule"] > 0 and llog["decode_page_rule"] == 0
 
 
 def test_a_policy_without_a_rule_still_runs_layer_by_layer(tiny_llama_dir):
