@@ -52,7 +52,7 @@ class OddLayersQuest(Quest):
     def configure(self, dims) -> None:
         super().configure(dims)
         self.managed_layers = (0, 2)
-        self._rank = {0: 0, 2: 1}
+        self._rank = {layer: i for i, layer in enumerate(self.managed_layers)}
 
 
 @pytest.fixture(scope="module")

@@ -98,10 +98,10 @@ def measure(engine: Engine, batch: int, context: int, steps: int, split_steps: i
         times = [step() for _ in range(steps)]
     meta, h2d = kv.minmax_bytes_read - meta0, kv.bytes_host_to_device - h2d0
     phases = {"select": 0.0, "attention": 0.0}
-    kv_read, layer, mark, counting = 0, [0], [0.0], [0.0]
+    kv_read, counting, layer, mark = 0, 0.0, [0], [0.0]
 
     def clock(phase: str) -> None:
-        nonlocal kv_read
+        nonlocal kv_read, counting
         now = time.perf_counter()
         if phase in phases:
             phases[phase] += now - mark[0]
@@ -111,7 +111,7 @@ def measure(engine: Engine, batch: int, context: int, steps: int, split_steps: i
             layer[0] = (layer[0] + 1) % spec.num_layers
             # counting the bytes is the benchmark's own work: neither the next phase's time nor the step's
             later = time.perf_counter()
-            counting[0] += later - now
+            counting += later - now
             now = later
         mark[0] = now
 
@@ -119,7 +119,7 @@ def measure(engine: Engine, batch: int, context: int, steps: int, split_steps: i
     for _ in range(split_steps):
         mark[0] = time.perf_counter()
         split_total += step(clock)
-    split_total -= counting[0]
+    split_total -= counting
     for slot in range(batch):
         kv.free_seq(slot)
         policy.reset(slot)
