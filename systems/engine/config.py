@@ -27,7 +27,7 @@ class EngineConfig:
     threads: Optional[int] = None        # torch CPU threads; null = torch's setting (one per core by default)
     batch_invariant: bool = False        # fixed-shape matmuls: greedy tokens independent of batch and threads
     chunked_prefill: bool = True         # decodes share each step with prompt chunks (off in batch-invariant mode)
-    fused_decode: bool = True            # CPU decode steps as fused C++ layers (false: one torch op at a time)
+    fused_decode: bool = True            # CPU decode (and mixed) steps as fused C++ layers (false: op by op)
     max_kept_prefixes: Optional[int] = None   # shared contexts / kept prefills parked at once; null = max_num_seqs
 
     @classmethod

@@ -94,8 +94,20 @@ class TieredKVCache(TierCopies, WindowRelease):
         """Store prompt K/V [n, Hkv, D] of positions start .. start+n-1 for one layer, in position order: the whole
         prompt (start 0, fresh pages) or one chunk of it after the `start` tokens already stored (chunked prefill:
         the chunk fills the last page first, then fresh pages)."""
-        n, H = k.shape[:2]
-        P = self.page_size
+        n = k.shape[0]
+        end = self.reserve_prompt_pages(slot, layer, start, n)
+        # the chunk's K/V into its pages and the MinMax bounds of every page it touched, in one op
+        self.ops.store_prompt(self.k_pool, self.v_pool, self.kmin[slot, layer], self.kmax[slot, layer],
+                              self.block_table[slot, layer, :, :end], k.to(self.dtype), v.to(self.dtype), start)
+        self.num_tokens[slot, layer] = start + n
+        if self.positions is not None:
+            self.positions.stored(slot, layer, start, n)
+
+    def reserve_prompt_pages(self, slot: int, layer: int, start: int, n: int) -> int:
+        """Device pages for prompt positions start .. start+n-1 of one layer, before they are stored: the partial
+        last page made the slot's own (a shared prefix page is copied first), fresh blocks for the rest. Returns
+        the page count through the chunk's end."""
+        P, H = self.page_size, self.num_kv_heads
         first, end = start // P, -(-(start + n) // P)
         have = -(-start // P)                                           # pages already holding the earlier tokens
         if start % P:
@@ -104,12 +116,7 @@ class TieredKVCache(TierCopies, WindowRelease):
                                   torch.full_like(heads, first))
         if end > have:
             self.block_table[slot, layer, :, have:end] = self._alloc_device(H * (end - have)).view(H, end - have)
-        # the chunk's K/V into its pages and the MinMax bounds of every page it touched, in one op
-        self.ops.store_prompt(self.k_pool, self.v_pool, self.kmin[slot, layer], self.kmax[slot, layer],
-                              self.block_table[slot, layer, :, :end], k.to(self.dtype), v.to(self.dtype), start)
-        self.num_tokens[slot, layer] = start + n
-        if self.positions is not None:
-            self.positions.stored(slot, layer, start, n)
+        return end
 
     def prompt_kv(self, slot: int, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n stored tokens' K and V [n, Hkv, D] of one layer (a prompt mid-prefill: all resident, in

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from systems.engine import fused_decode
+from systems.engine import fused_decode, fused_mixed
 from systems.engine.config import DECODE_TILE, PREFILL_TILE
 from systems.engine.extension import appended_attention
 from systems.engine.kv_cache import TieredKVCache
@@ -45,6 +45,10 @@ class ModelRunner:
             fused_decode.unsupported(model, kv)
         self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
             self.fused_unsupported is None else None
+        # mixed and prefill steps as one fused call where nothing of the policy runs inside a layer there
+        self.mixed_unsupported = self.fused_unsupported or (
+            "batch-invariant tiles" if batch_invariant else fused_mixed.unsupported(self._model(), kv, policy))
+        self.mixed = fused_mixed.FusedMixed(self._model(), kv) if self.mixed_unsupported is None else None
         self.probe: PositionProbe | None = None     # set by the engine once a request asks for positions
 
     def _model(self) -> LlamaModel:
@@ -85,8 +89,13 @@ class ModelRunner:
                 outs.append(part(seq, infos[i], layer, a, b, q[r0:r1], k[r0:r1], v[r0:r1]))
             return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-        tile = self.prefill_tile if chunks else self.decode_tile
-        hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=tile)
+        hidden = None
+        if self.mixed is not None and self.probe is None and self.mixed.takes(chunks):
+            hidden = self.mixed.hidden(torch.tensor(ids, device=dev), positions, slots,
+                                       [(info.slot, a, b) for info, (_, a, b) in zip(infos, chunks)])
+            self.last_selected = None
+        if hidden is None:
+            hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=self.prefill_tile)
         self.kv.release_out_of_window(slots)           # the decodes' windowed layers (chunks released per layer)
         for i, (seq, a, b) in enumerate(chunks):
             if seq.request.prompt_logprobs is not None:

@@ -40,8 +40,11 @@ class EngineSystem:
         self.policy = policy
         self._at_budget: dict[int, Policy] = {}
         runner = self.engine.runner
-        self.execution = ("decode steps as fused C++ layers" if runner.fused is not None
-                          else f"decode steps op by op ({runner.fused_unsupported})")
+        self.execution = "; ".join([
+            "decode steps as fused C++ layers" if runner.fused is not None
+            else f"decode steps op by op ({runner.fused_unsupported})",
+            "mixed and prefill steps as fused C++ layers" if runner.mixed is not None
+            else f"mixed and prefill steps op by op ({runner.mixed_unsupported})"])
 
     def _run(self, requests: list[GenerationRequest]) -> list[Any]:
         """Engine sequences of `requests` in order: requests that carry their own KV budget run in groups of one

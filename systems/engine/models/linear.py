@@ -87,12 +87,23 @@ class Linear:
             return torch.ops.kvharness_cpu.skinny_linear(x, packed, self.bias, self.weight.shape[0])
         return self(x, tile)
 
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+    def gemm_operands(self, rows: int) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """How `rows` rows are multiplied, as data (the fused mixed step makes the same call from C++): 0 with the
+        prepacked weight (oneDNN), 1 with the fp32 copy (the widened GEMM), or 2 with the weight as stored
+        (F.linear); each with the bias that call takes."""
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.wide is not None and x.shape[0] >= WIDEN_MIN_ROWS:
-            return F.linear(x.float(), *self.wide).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
+            return 0, self.packed, self.bias
+        if self.wide is not None and rows >= WIDEN_MIN_ROWS:
+            return 1, *self.wide
+        return 2, self.weight, self.bias
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        kind, weight, bias = self.gemm_operands(x.shape[0])
+        if kind == 0:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if kind == 1:
+            return F.linear(x.float(), weight, bias).to(x.dtype)
+        return F.linear(x, weight, bias)
 
     def __call__(self, x: torch.Tensor, tile: int | None = None) -> torch.Tensor:
         """With `tile`, every GEMM call gets exactly `tile` rows (the last chunk zero-padded), so each row's result

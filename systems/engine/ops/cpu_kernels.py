@@ -1,5 +1,5 @@
 """The CPU path's fused kernels (cpu_attention.cpp, cpu_prefill.cpp, cpu_scoring.cpp, cpu_model.cpp, cpu_gemm.cpp,
-cpu_decoder.cpp), built once per checkout on first use."""
+cpu_decoder.cpp, cpu_mixed.cpp and the rest of _SOURCES), built once per checkout on first use."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +16,7 @@ from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp",
                                                        "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp",
-                                                       "cpu_token_probs.cpp", "cpu_kv.cpp")]
+                                                       "cpu_token_probs.cpp", "cpu_kv.cpp", "cpu_mixed.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)

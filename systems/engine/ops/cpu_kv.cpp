@@ -12,43 +12,11 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu_common.h"
+#include "cpu_paged.h"
 
 namespace {
 
-using kvh::to_float;
-
-template <typename T>
-void store_pages(T* k_pool, T* v_pool, T* kmin, T* kmax, const at::Tensor& table, const T* k, const T* v, int64_t n,
-                 int64_t H, int64_t D, int64_t P, int64_t start, const int64_t mm[2]) {
-  const int32_t* tp = table.data_ptr<int32_t>();
-  const int64_t ts0 = table.stride(0), ts1 = table.stride(1);
-  const int64_t first = start / P, end = (start + n + P - 1) / P;
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t pos = start + t;
-      const int64_t row = static_cast<int64_t>(tp[h * ts0 + (pos / P) * ts1]) * P + pos % P;
-      std::memcpy(k_pool + row * D, k + (t * H + h) * D, D * sizeof(T));
-      std::memcpy(v_pool + row * D, v + (t * H + h) * D, D * sizeof(T));
-    }
-    for (int64_t page = first; page < end; ++page) {
-      const T* rows = k_pool + static_cast<int64_t>(tp[h * ts0 + page * ts1]) * P * D;
-      const int64_t fill = std::min<int64_t>(P, start + n - page * P);
-      T* lo = kmin + h * mm[0] + page * mm[1];
-      T* hi = kmax + h * mm[0] + page * mm[1];
-      std::memcpy(lo, rows, D * sizeof(T));
-      std::memcpy(hi, rows, D * sizeof(T));
-      for (int64_t r = 1; r < fill; ++r) {
-        const T* x = rows + r * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float fx = to_float(x[d]);
-          if (fx < to_float(lo[d])) lo[d] = x[d];
-          if (fx > to_float(hi[d])) hi[d] = x[d];
-        }
-      }
-    }
-  }
-}
+using kvh::store_pages;
 
 // k_pool, v_pool [blocks, P, D]; kmin, kmax [H, M, D] (one (slot, layer)'s bounds, last dim contiguous); table
 // [H, >= pages through the chunk's end] int32 blocks (any strides), every one resident; k, v [n, H, D] in the pool
