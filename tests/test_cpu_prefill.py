@@ -73,7 +73,7 @@ def test_cpu_op_set_routes_bf16_prompts_to_the_kernel():
     ops = load_ops("cpu")
     q, k, v = _qkv(50, 9, 3, 64, seed=2)
     out = ops.prompt_attention(q, k, v, 0.125)
-    if cpu_kernels._bf16_prompt_kernel():
+    if cpu_kernels.bf16_prompt_kernel():
         assert torch.equal(out, torch.ops.kvharness_cpu.prompt_attention(q, k, v, 0.125))
     assert torch.equal(ops.prompt_attention(q.float(), k.float(), v.float(), 0.125),
                        prompt_attention(q.float(), k.float(), v.float(), 0.125))

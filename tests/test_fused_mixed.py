@@ -40,6 +40,19 @@ def _multiply(engine: Engine, gemm: str) -> None:
                 linear.wide = None
 
 
+def _record_steps(engine: Engine) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """Each fused step's decode-row count and chunks (slot, start, end), as the call saw them."""
+    mixed, seen = engine.runner.mixed, []
+    hidden = mixed.hidden
+
+    def recorded(ids, positions, slots, chunks):
+        seen.append((len(slots), list(chunks)))
+        return hidden(ids, positions, slots, chunks)
+
+    mixed.hidden = recorded
+    return seen
+
+
 def _generate(engine: Engine) -> list:
     rng = random.Random(5)
     # prompts longer than the 40-token step budget: each enters in chunks (the later ones masked) while the
@@ -55,22 +68,72 @@ def _generate(engine: Engine) -> list:
 @pytest.mark.parametrize("gemm", ["as built", "widened", "plain"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fused_mixed_step_equals_the_per_op_step(tiny_llama_dir, dtype, gemm):
-    runs = {}
-    for fused in (True, False):
-        engine = _engine(tiny_llama_dir, dtype, fused)
-        _multiply(engine, gemm)
-        runs[fused] = _generate(engine), engine.runner.mixed
-    (fused_out, mixed), (per_op_out, none) = runs[True], runs[False]
-    assert none is None and mixed is not None
-    assert mixed.steps >= 5, "the workload must run mixed and prefill steps through the fused call"
-    assert fused_out == per_op_out
+    _check_equal(tiny_llama_dir, dtype, gemm)
 
 
-def test_fused_mixed_step_with_a_qkv_bias(tiny_qwen2_dir):
-    fused = _engine(tiny_qwen2_dir, "bfloat16", True)
-    assert fused.runner.mixed is not None
-    assert _generate(fused) == _generate(_engine(tiny_qwen2_dir, "bfloat16", False))
-    assert fused.runner.mixed.steps >= 5
+def _check_equal(path, dtype: str, gemm: str) -> None:
+    per_op = _engine(path, dtype, False)
+    assert per_op.runner.mixed is None
+    _multiply(per_op, gemm)
+    fused = _engine(path, dtype, True)
+    _multiply(fused, gemm)
+    steps = _record_steps(fused)
+    assert _generate(fused) == _generate(per_op)
+    assert fused.runner.mixed.steps == len(steps)
+    # the cases the call must get right all ran through it: a prefill step of several chunks, decode rows beside a
+    # later chunk (masked attention, read-back of stored pages) that starts inside a page
+    assert any(nd == 0 and len(chunks) >= 2 for nd, chunks in steps)
+    assert any(nd > 0 and any(a > 0 and a % 4 for _, a, _ in chunks) for nd, chunks in steps)
+
+
+@pytest.mark.parametrize("gemm", ["as built", "widened", "plain"])
+def test_fused_mixed_step_with_a_qkv_bias(tiny_qwen2_dir, gemm):
+    _check_equal(tiny_qwen2_dir, "bfloat16", gemm)
+
+
+@pytest.fixture(scope="module")
+def tiny_head64_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Llama with 64-dim heads, the size this project's bf16 prompt kernel is built for."""
+    from transformers import LlamaConfig
+
+    from tests.conftest import _save_tiny
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    return _save_tiny(tmp_path_factory.mktemp("tiny_head64"), cfg, tokenizer_dir)
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.kvharness_cpu, "prompt_attention"), reason="no AVX512-BF16 prompt kernel")
+def test_fused_mixed_step_takes_the_prompt_kernel_the_per_op_step_takes(tiny_head64_dir, monkeypatch):
+    """Where prompt attention runs this project's bf16 kernel (CPUs with AVX512-BF16 and no AMX; forced here on any
+    CPU that has it built), the fused call runs it too, and the two paths still agree bit for bit."""
+    monkeypatch.setitem(cpu_kernels._state, "prompt", True)
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels.torch_attention, "prompt_attention",
+                      lambda *a, **k: pytest.fail("the per-op path must take the bf16 kernel here"))
+        expected = _generate(_engine(tiny_head64_dir, "bfloat16", False))
+    fused = _engine(tiny_head64_dir, "bfloat16", True)
+    assert _generate(fused) == expected and fused.runner.mixed.steps > 0
+    # torch's SDPA in the fused call gives other bits: the equality above was the kernel's
+    monkeypatch.setitem(cpu_kernels._state, "prompt", False)
+    assert _generate(_engine(tiny_head64_dir, "bfloat16", True)) != expected
+
+
+def test_products_of_mixed_kinds_keep_the_per_op_step(tiny_llama_dir):
+    """Where the products would not all multiply one way (one Linear widened, the rest plain), the step runs op by
+    op rather than through one GEMM kind for all; below the widened GEMM's row threshold all are plain again."""
+    from systems.engine.models.linear import WIDEN_MIN_ROWS
+
+    fused, per_op = _engine(tiny_llama_dir, "bfloat16", True), _engine(tiny_llama_dir, "bfloat16", False)
+    for engine in (fused, per_op):
+        _multiply(engine, "plain")
+        lw = engine.model.layers[1]
+        lw.down.wide = (lw.down.weight.float(), None)
+    steps = _record_steps(fused)
+    assert _generate(fused) == _generate(per_op)
+    rows = [nd + sum(b - a for _, a, b in chunks) for nd, chunks in steps]
+    assert max(rows) >= WIDEN_MIN_ROWS           # such steps were offered, and declined (nothing counted)
+    assert fused.runner.mixed.steps == sum(r < WIDEN_MIN_ROWS for r in rows)
 
 
 def test_policies_with_hooks_inside_a_layer_keep_the_per_op_step(tiny_llama_dir):
@@ -89,7 +152,8 @@ def test_a_chunk_without_pages_fails_before_the_cache_changes(tiny_llama_dir):
     engine = _engine(tiny_llama_dir, "float32", True)
     kv, model = engine.kv, engine.model
     spec = model.spec
-    before = (kv.k_pool.clone(), kv.num_tokens.clone())
+    state = (kv.k_pool, kv.v_pool, kv.kmin, kv.kmax, kv.block_table, kv.num_tokens)
+    before = [t.clone() for t in state]
     ids = torch.tensor([5, 6, 7])
     cos, sin = model.rope(torch.arange(3), next(iter(model.rope_tables)))
     kind, flat = engine.runner.mixed._weights(3)
@@ -97,5 +161,5 @@ def test_a_chunk_without_pages_fails_before_the_cache_changes(tiny_llama_dir):
         torch.ops.kvharness_cpu.mixed_layers(
             torch.nn.functional.embedding(ids, model.embed), None, flat, kind, cos, sin, kv.k_pool, kv.v_pool,
             kv.block_table, kv.num_tokens, kv.kmin, kv.kmax, torch.empty(0, dtype=torch.long), [0], [0], [3],
-            spec.num_q_heads, spec.intermediate_size, spec.rms_norm_eps, kv.scale)
-    assert torch.equal(kv.k_pool, before[0]) and torch.equal(kv.num_tokens, before[1])
+            spec.num_q_heads, spec.intermediate_size, spec.rms_norm_eps, kv.scale, False)
+    assert all(torch.equal(now, then) for now, then in zip(state, before))

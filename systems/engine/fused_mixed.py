@@ -15,6 +15,7 @@ import torch
 
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.llama import LlamaModel
+from systems.engine.ops import cpu_kernels
 from systems.policies.base import Policy
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ class FusedMixed:
         if weights is None:
             return None
         kind, flat = weights
-        for layer in range(spec.num_layers):         # the pages each chunk fills, reserved as store_prefill would
+        # every layer's pages before the call, in the per-op path's order (layer, then chunk): the same blocks
+        for layer in range(spec.num_layers):
             for slot, a, b in chunks:
                 kv.reserve_prompt_pages(slot, layer, a, b - a)
         cos, sin = model.rope(positions, self.rope_table)
@@ -77,6 +79,7 @@ class FusedMixed:
         delta = torch.ops.kvharness_cpu.mixed_layers(
             h, None, flat, kind, cos, sin, kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin, kv.kmax,
             slots.to(torch.int64).contiguous(), [slot for slot, _, _ in chunks], [a for _, a, _ in chunks],
-            [b for _, _, b in chunks], spec.num_q_heads, spec.intermediate_size, spec.rms_norm_eps, kv.scale)
+            [b for _, _, b in chunks], spec.num_q_heads, spec.intermediate_size, spec.rms_norm_eps, kv.scale,
+            cpu_kernels.bf16_prompt_kernel())
         self.steps += 1
         return model.add_norm(h, delta, model.norm)[1]

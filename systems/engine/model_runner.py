@@ -93,7 +93,8 @@ class ModelRunner:
         if self.mixed is not None and self.probe is None and self.mixed.takes(chunks):
             hidden = self.mixed.hidden(torch.tensor(ids, device=dev), positions, slots,
                                        [(info.slot, a, b) for info, (_, a, b) in zip(infos, chunks)])
-            self.last_selected = None
+            if decodes:                 # as decode_layer leaves it: the last layer read every page
+                self.last_selected = None
         if hidden is None:
             hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=self.prefill_tile)
         self.kv.release_out_of_window(slots)           # the decodes' windowed layers (chunks released per layer)

@@ -105,16 +105,6 @@ struct PageRule {
   }
 };
 
-template <typename F>
-void by_dtype(const at::Tensor& t, F&& f) {
-  if (t.scalar_type() == at::kBFloat16) {
-    f(uint16_t{});
-  } else {
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "fused decode: bf16 or fp32 only");
-    f(float{});
-  }
-}
-
 at::Tensor opt(const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); }
 
 void check_rows(const at::Tensor& h, const c10::optional<at::Tensor>& delta) {

@@ -145,7 +145,7 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     AVX512-BF16) runs where torch's flash attention would widen bf16 to fp32; on CPUs with AMX tiles torch's own
     kernel multiplies on the tiles and stays. It has no sliding window: windowed layers take the torch path."""
     if (window is None and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
-            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and _bf16_prompt_kernel()):
+            and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bf16_prompt_kernel()):
         return torch.ops.kvharness_cpu.prompt_attention(q, k, v, float(scale))
     return torch_attention.prompt_attention(q, k, v, scale, window)
 
@@ -161,7 +161,9 @@ def has_fused_decode() -> bool:
 
 
 
-def _bf16_prompt_kernel() -> bool:
+def bf16_prompt_kernel() -> bool:
+    """Whether bf16 prompt attention takes this project's kernel (cpu_prefill.cpp): built, and no AMX tiles, on which
+    torch's flash attention multiplies bf16 itself."""
     if "prompt" not in _state:
         from systems.hardware import cpu_flags
 

@@ -37,15 +37,12 @@ void store_prompt(at::Tensor k_pool, at::Tensor v_pool, at::Tensor kmin, at::Ten
   if (n == 0) return;
   const at::Tensor kc = k.contiguous(), vc = v.contiguous();
   const int64_t mm[2] = {kmin.stride(0), kmin.stride(1)};
-  if (k_pool.scalar_type() == at::kBFloat16) {
-    auto p = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    store_pages<uint16_t>(p(k_pool), p(v_pool), p(kmin), p(kmax), table, p(kc), p(vc), n, H, D, P, start, mm);
-  } else {
-    TORCH_CHECK(k_pool.scalar_type() == at::kFloat, "store_prompt: pools must be bf16 or fp32");
-    store_pages<float>(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), kmin.data_ptr<float>(),
-                       kmax.data_ptr<float>(), table, kc.data_ptr<float>(), vc.data_ptr<float>(), n, H, D, P, start,
-                       mm);
-  }
+  kvh::by_dtype(k_pool, [&](auto tag) {
+    using T = decltype(tag);
+    using kvh::ptr;
+    store_pages<T>(ptr<T>(k_pool), ptr<T>(v_pool), ptr<T>(kmin), ptr<T>(kmax), table, ptr<T>(kc), ptr<T>(vc), n, H,
+                   D, P, start, mm);
+  });
 }
 
 }  // namespace

@@ -1,15 +1,11 @@
-// A mixed step (decode tokens beside prompt chunks) or a prefill step of the decoder layers in one call.
+// A mixed step (decode rows beside prompt chunks) or a prefill step of the whole layer stack in one call.
 //
-// Why: under load most steps of an online server are mixed: a few decode rows beside a ~250-token prompt chunk. Run
-// layer by layer from Python that is ~40 torch calls per layer (norms, products, RoPE, the decode rows' append and
-// attention, each chunk's store, read-back and attention, the concatenations), and on a 135M-parameter model their
-// dispatch cost a quarter of the step. Here each piece is called straight from C++, in the order and with the
-// arguments the per-op path (models/llama.py forward with model_runner's attend) uses: the products are the same
-// GEMM calls on the same inputs (oneDNN's prepacked kernel, the widened fp32 GEMM, or at::linear), the elementwise
-// kernels the same code (cpu_rows.h), the decode rows' append and attention those of the fused decode step
-// (cpu_paged.h), each chunk's store that of store_prompt and its attention torch's scaled_dot_product_attention on
-// the same views, so the step's numbers are the per-op path's bit for bit. It serves a policy with no per-layer hook
-// in a mixed step (no page choice, no decode-time or after-prefill eviction) and layers without sliding windows.
+// Why: under load most of an online server's steps are mixed, and layer by layer from Python such a step is ~40
+// torch calls per layer whose dispatch cost a quarter of it on a small model. The call makes the per-op path's kernel
+// calls (models/llama.py forward with model_runner's attend) in its order and on the same tensors, so its numbers
+// are that path's bit for bit: a product is the GEMM call Linear._mm makes, the elementwise steps are cpu_rows.h, the
+// decode rows' append and attention and each chunk's store are cpu_paged.h, and a chunk's attention is the kernel
+// cpu_kernels.prompt_attention picks (this project's bf16 kernel where it runs, else torch's SDPA).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -47,16 +43,6 @@ at::Tensor gemm(const at::Tensor& x, int64_t kind, const at::Tensor& w, const at
   return at::linear(x, w, b);
 }
 
-template <typename F>
-void by_dtype(const at::Tensor& t, F&& f) {
-  if (t.scalar_type() == at::kBFloat16) {
-    f(uint16_t{});
-  } else {
-    TORCH_CHECK(t.scalar_type() == at::kFloat, "mixed_layers: bf16 or fp32 only");
-    f(float{});
-  }
-}
-
 // One prompt chunk of the step: positions start .. end - 1 of the sequence in `slot`, rows row .. row + end - start.
 struct Chunk {
   int64_t slot, start, end, row;
@@ -82,11 +68,20 @@ at::Tensor prompt_so_far(const at::Tensor& pool, const at::Tensor& table, const 
   return out;
 }
 
+// The project's bf16 prompt kernel (cpu_prefill.cpp), for CPUs where torch's flash attention widens bf16 to fp32.
+at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kvharness_cpu::prompt_attention", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(q, k, v, scale);
+}
+
 // Store one chunk's K/V of one layer (store_prompt), count its tokens, and return its attention [n, Hq, D]: causal
-// over the prompt so far, through torch's SDPA exactly as torch_attention.prompt_attention calls it.
+// over the prompt so far, through the kernel and the call cpu_kernels.prompt_attention makes (own_kernel: its bf16
+// kernel; else torch's SDPA, called as torch_attention.prompt_attention calls it).
 template <typename T>
 at::Tensor chunk_attention(const Storage& st, int64_t layer, const Chunk& c, const at::Tensor& q, const at::Tensor& k,
-                           const at::Tensor& v, const at::Tensor& mask, double scale) {
+                           const at::Tensor& v, const at::Tensor& mask, double scale, bool own_kernel) {
   const at::Tensor table = st.block_table.select(0, c.slot).select(0, layer);       // [Hkv, M]
   const at::Tensor lo = st.kmin.select(0, c.slot).select(0, layer);
   const at::Tensor hi = st.kmax.select(0, c.slot).select(0, layer);
@@ -98,6 +93,7 @@ at::Tensor chunk_attention(const Storage& st, int64_t layer, const Chunk& c, con
   const bool later = c.start > 0;
   const at::Tensor keys = later ? prompt_so_far(st.k_pool, table, k, c) : k;
   const at::Tensor values = later ? prompt_so_far(st.v_pool, table, v, c) : v;
+  if (own_kernel) return bf16_prompt_attention(q, keys, values, scale);
   const at::Tensor out = at::scaled_dot_product_attention(
       q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
       later ? c10::optional<at::Tensor>(mask) : c10::nullopt, 0.0, !later, scale, q.size(1) != k.size(1));
@@ -108,6 +104,7 @@ at::Tensor chunk_attention(const Storage& st, int64_t layer, const Chunk& c, con
 void check_pages(const Storage& st, const std::vector<Chunk>& chunks) {
   const int32_t* table = st.block_table.data_ptr<int32_t>();
   for (const Chunk& c : chunks) {
+    TORCH_CHECK(c.slot >= 0 && c.slot < st.block_table.size(0), "mixed_layers: a chunk's slot is not a slot");
     TORCH_CHECK(c.start >= 0 && c.end > c.start && (c.end + st.P - 1) / st.P <= st.M,
                 "mixed_layers: a chunk's positions do not fit a head's pages");
     for (int64_t layer = 0; layer < st.L; ++layer)
@@ -123,7 +120,8 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
                         const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& num_tokens,
                         const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots,
                         at::IntArrayRef chunk_slots, at::IntArrayRef chunk_starts, at::IntArrayRef chunk_ends,
-                        int64_t num_q_heads, int64_t intermediate, double eps, double scale) {
+                        int64_t num_q_heads, int64_t intermediate, double eps, double scale,
+                        bool own_prompt_kernel) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "mixed_layers: h [T, hidden] contiguous");
   TORCH_CHECK(!delta.has_value() || (delta->sizes() == h.sizes() && delta->is_contiguous() &&
                                      delta->scalar_type() == h.scalar_type()), "mixed_layers: delta like h");
@@ -134,6 +132,15 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 7 * st.L, "mixed_layers: 7 weights per layer");
   const int64_t T = h.size(0), H = h.size(1), Hq = num_q_heads, D = st.D, nd = slots.numel();
   const int64_t width = (Hq + 2 * st.Hkv) * D;
+  const auto dtype = h.scalar_type();
+  TORCH_CHECK(k_pool.scalar_type() == dtype && kmin.scalar_type() == dtype && cos.scalar_type() == dtype &&
+              sin.scalar_type() == dtype && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
+              sin.numel() == T * D, "mixed_layers: pools, bounds and cos, sin [T, D] in h's dtype");
+  for (int64_t layer = 0; layer < st.L; ++layer)
+    for (int norm : {0, 4})
+      TORCH_CHECK(weights[7 * layer + norm].scalar_type() == dtype && weights[7 * layer + norm].is_contiguous() &&
+                  weights[7 * layer + norm].numel() == H, "mixed_layers: the norms' weights [hidden] in h's dtype");
+  TORCH_CHECK(nd <= T && Hq % st.Hkv == 0, "mixed_layers: query heads a multiple of the KV heads");
   std::vector<Chunk> chunks;
   int64_t row = nd;
   for (size_t i = 0; i < chunk_slots.size(); ++i) {
@@ -142,12 +149,22 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
   }
   TORCH_CHECK(row == T, "mixed_layers: h must hold the decode rows, then every chunk's rows");
   check_pages(st, chunks);
-  // a later chunk's mask, the same every layer: key j is visible to the query at position start + i when j <= it
+  // built once per step, not per layer as the per-op path does: a later chunk's causal mask (SDPA's causal flag
+  // puts the diagonal top-left, where the chunk's queries sit bottom-right of its keys); none for a first chunk
   std::vector<at::Tensor> masks;
   for (const Chunk& c : chunks) {
     const at::Tensor pos = at::arange(c.end, at::TensorOptions().dtype(at::kLong));
-    masks.push_back(pos.view({1, -1}) <= pos.narrow(0, c.start, c.size()).view({-1, 1}));
+    masks.push_back(c.start > 0 ? pos.view({1, -1}) <= pos.narrow(0, c.start, c.size()).view({-1, 1})
+                                : at::Tensor());
   }
+  const bool own_kernel = own_prompt_kernel && dtype == at::kBFloat16 && (D == 64 || D == 128);
+  // the products' outputs are read through raw pointers: their shapes are checked, not assumed
+  auto product = [&](const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t n) {
+    at::Tensor y = gemm(x, gemm_kind, w, bias);
+    TORCH_CHECK(y.is_contiguous() && y.dim() == 2 && y.size(0) == T && y.size(1) == n && y.scalar_type() == dtype,
+                "mixed_layers: a product's weight does not give [T, ", n, "]");
+    return y;
+  };
   at::Tensor d = delta.has_value() ? *delta : at::Tensor();
   by_dtype(h, [&](auto tag) {
     using Elem = decltype(tag);
@@ -156,8 +173,7 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
       at::Tensor x = at::empty_like(h);
       add_rms_norm_rows<Elem>(ptr<Elem>(h), d.defined() ? ptr<Elem>(d) : nullptr, ptr<Elem>(w[0]), ptr<Elem>(x), T,
                               H, static_cast<float>(eps));
-      const at::Tensor qkv = gemm(x, gemm_kind, w[1], w[2]);
-      TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == width, "mixed_layers: the QKV product is [T, (Hq+2Hkv)D]");
+      const at::Tensor qkv = product(x, w[1], w[2], width);
       rope_rows<Elem>(ptr<Elem>(qkv), ptr<Elem>(cos), ptr<Elem>(sin), T, Hq + st.Hkv, D, width);
       const at::Tensor qk = qkv.narrow(1, 0, (Hq + st.Hkv) * D).view({T, Hq + st.Hkv, D});
       const at::Tensor q = qk.narrow(1, 0, Hq), k = qk.narrow(1, Hq, st.Hkv);
@@ -172,15 +188,15 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
         const Chunk& c = chunks[i];
         attn.narrow(0, c.row, c.size()).copy_(chunk_attention<Elem>(
             st, layer, c, q.narrow(0, c.row, c.size()), k.narrow(0, c.row, c.size()), v.narrow(0, c.row, c.size()),
-            masks[i], scale));
+            masks[i], scale, own_kernel));
       }
-      const at::Tensor o = gemm(attn.view({T, Hq * D}), gemm_kind, w[3], at::Tensor());
+      const at::Tensor o = product(attn.view({T, Hq * D}), w[3], at::Tensor(), H);
       add_rms_norm_rows<Elem>(ptr<Elem>(h), ptr<Elem>(o), ptr<Elem>(w[4]), ptr<Elem>(x), T, H,
                               static_cast<float>(eps));
-      const at::Tensor gate_up = gemm(x, gemm_kind, w[5], at::Tensor());
+      const at::Tensor gate_up = product(x, w[5], at::Tensor(), 2 * intermediate);
       at::Tensor gated = at::empty({T, intermediate}, h.options());
       silu_mul_rows<Elem>(ptr<Elem>(gate_up), ptr<Elem>(gated), T, intermediate);
-      d = gemm(gated, gemm_kind, w[6], at::Tensor());
+      d = product(gated, w[6], at::Tensor(), H);
     }
   });
   return d;
@@ -192,5 +208,5 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("mixed_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, int gemm_kind, Tensor cos, Tensor sin, "
         "Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, "
         "Tensor(f!) kmax, Tensor slots, int[] chunk_slots, int[] chunk_starts, int[] chunk_ends, int num_q_heads, "
-        "int intermediate, float eps, float scale) -> Tensor", &mixed_layers);
+        "int intermediate, float eps, float scale, bool own_prompt_kernel) -> Tensor", &mixed_layers);
 }

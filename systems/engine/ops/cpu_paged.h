@@ -1,9 +1,9 @@
-// The engine's paged KV storage as the fused steps write and read it: a decode token appended per sequence, a
-// prompt chunk stored in position order, and attention of decode queries over a head's pages.
+// The engine's paged KV storage as the C++ steps write and read it (append, store a chunk, attend over pages).
 //
-// Shared by the per-op KV op (cpu_kv.cpp), the fused decode step (cpu_decoder.cpp) and the fused mixed step
-// (cpu_mixed.cpp), so each writes the cache and reads it exactly as the others do. The writes are copies and the
-// MinMax bounds exact mins and maxes, the same values in any order.
+// A decode token is appended per sequence, a prompt chunk stored in position order, decode queries attend over a
+// head's pages. Shared by the per-op KV op (cpu_kv.cpp), the fused decode step (cpu_decoder.cpp) and the fused mixed
+// step (cpu_mixed.cpp), so each writes the cache and reads it exactly as the others do. The writes are copies and
+// the MinMax bounds exact mins and maxes, the same values in any order.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +22,17 @@ namespace {
 template <typename T>
 T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
+// f(uint16_t{}) for a bf16 tensor, f(float{}) for fp32: the element type the kernels run on.
+template <typename F>
+void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) {
+    f(uint16_t{});
+  } else {
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "the CPU kernels take bf16 or fp32 only");
+    f(float{});
+  }
+}
+
 // The engine's paged KV storage for one call.
 struct Storage {
   at::Tensor k_pool, v_pool, block_table, num_tokens, kmin, kmax;
@@ -34,10 +45,10 @@ struct Storage {
         slots(slot_ids.data_ptr<int64_t>()), L(table.size(1)), Hkv(table.size(2)), M(table.size(3)),
         P(k.size(1)), D(k.size(2)) {
     TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && table.is_contiguous() && counts.is_contiguous() &&
-                lo.is_contiguous() && hi.is_contiguous(), "fused decode: storage must be contiguous");
+                lo.is_contiguous() && hi.is_contiguous(), "paged KV: storage must be contiguous");
     TORCH_CHECK(table.scalar_type() == at::kInt && counts.scalar_type() == at::kInt &&
                 slot_ids.scalar_type() == at::kLong && slot_ids.is_contiguous(),
-                "fused decode: int32 tables and counts, int64 slots");
+                "paged KV: int32 tables and counts, int64 slots");
   }
   int64_t head_row(int64_t b, int64_t layer, int64_t h) const { return (slots[b] * L + layer) * Hkv + h; }
 };
@@ -57,9 +68,9 @@ void append_kv(const Storage& st, int64_t layer, const T* k_rows, const T* v_row
     for (int64_t h = 0; h < st.Hkv; ++h) {
       const int64_t row = st.head_row(b, layer, h);
       const int64_t n = counts[row], page = n / st.P, off = n % st.P;
-      TORCH_CHECK(page < st.M, "fused decode: a head is full (max_model_len)");
+      TORCH_CHECK(page < st.M, "paged KV: a head is full (max_model_len)");
       const int64_t block = table[row * st.M + page];
-      TORCH_CHECK(block != 0, "fused decode: the next page of a head has no device block");
+      TORCH_CHECK(block != 0, "paged KV: the next page of a head has no device block");
       const T* k = k_rows + b * stride + h * D;
       const T* v = v_rows + b * stride + h * D;
       std::memcpy(kp + (block * st.P + off) * D, k, D * sizeof(T));
@@ -126,7 +137,7 @@ at::Tensor attend_pages(const at::Tensor& q, const at::Tensor& selected, const S
   if (selected.defined()) {
     sel = selected.to(at::kLong).contiguous();
     TORCH_CHECK(sel.dim() == 3 && sel.size(0) == B && (sel.size(1) == st.Hkv || sel.size(1) == Hq),
-                "fused decode: selected pages [B, Hkv or Hq, K]");
+                "paged KV: selected pages [B, Hkv or Hq, K]");
     ls.selected = sel.data_ptr<int64_t>();
     ls.K = sel.size(2);
     if (sel.size(1) == Hq && G > 1) {  // one page set per query head: each is a group of one over its KV head
