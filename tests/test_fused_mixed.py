@@ -165,3 +165,13 @@ def test_a_chunk_without_pages_fails_before_the_cache_changes(tiny_llama_dir):
     # bit patterns, not values: the pools start uninitialised, and a NaN pattern never equals itself
     assert all(torch.equal(now.flatten().view(torch.uint8), then.flatten().view(torch.uint8))
                for now, then in zip(state, before))
+
+
+def test_set_policy_refuses_another_class(tiny_llama_dir):
+    """The runner chose the fused mixed step by the policy class's hooks: swapping in a class with hooks inside a
+    layer must not keep that choice."""
+    engine = _engine(tiny_llama_dir, "bfloat16", True)
+    with pytest.raises(ValueError, match="Dense .*not a Quest"):
+        engine.set_policy(load_policy("quest", {}))
+    engine.set_policy(load_policy("dense", {}))          # the same class is what Policy.at_budget hands over
+    assert engine.runner.mixed is not None

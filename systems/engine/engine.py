@@ -304,6 +304,10 @@ class Engine:
         """Run later requests under `policy` (one of the same class, e.g. Policy.at_budget's): bound to this KV
         storage and handed to the scheduler and runner. Only between generate() calls: no sequence may be alive."""
         assert not self.scheduler.has_work(), "set_policy with sequences in flight"
+        if type(policy) is not type(self.policy):
+            # the runner chose its paths by the class's hooks (which steps run fused, which keep prompt queries)
+            raise ValueError(f"set_policy takes a {type(self.policy).__name__} (the engine's policy class), not a "
+                             f"{type(policy).__name__}: build another engine for another policy")
         policy.bind(self.kv)
         self.kv.set_released_windows(policy.left_windows)
         self.policy = self.scheduler.policy = self.runner.policy = policy
