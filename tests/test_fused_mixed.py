@@ -105,8 +105,8 @@ def tiny_head64_dir(tmp_path_factory, tokenizer_dir):
 
 @pytest.mark.skipif(not hasattr(torch.ops.kvharness_cpu, "prompt_attention"), reason="no AVX512-BF16 prompt kernel")
 def test_fused_mixed_step_takes_the_prompt_kernel_the_per_op_step_takes(tiny_head64_dir, monkeypatch):
-    """Where prompt attention runs this project's bf16 kernel (CPUs with AVX512-BF16 and no AMX; forced here on any
-    CPU that has it built), the fused call runs it too, and the two paths still agree bit for bit."""
+    """Where prompt attention runs this project's bf16 kernel (CPUs with AVX512-BF16; on AMX tiles where the CPU has
+    them), the fused call runs it too, and the two paths still agree bit for bit."""
     monkeypatch.setitem(cpu_kernels._state, "prompt", True)
     with monkeypatch.context() as patch:
         patch.setattr(cpu_kernels.torch_attention, "prompt_attention",

@@ -8,6 +8,7 @@ import torch
 
 from systems.base import Completion, GenerationRequest, MemoryReport, cut_at_stop
 from systems.engine.engine import Engine
+from systems.engine.ops import cpu_kernels
 from systems.policies import load_policy
 from systems.policies.base import Policy
 
@@ -44,7 +45,9 @@ class EngineSystem:
             "decode steps as fused C++ layers" if runner.fused is not None
             else f"decode steps op by op ({runner.fused_unsupported})",
             "mixed and prefill steps as fused C++ layers" if runner.mixed is not None
-            else f"mixed and prefill steps op by op ({runner.mixed_unsupported})"])
+            else f"mixed and prefill steps op by op ({runner.mixed_unsupported})"]
+            + ([f"bf16 prompt attention on {cpu_kernels.prompt_kernel_name()}"]
+               if runner.device.type == "cpu" and getattr(runner.model, "dtype", None) == torch.bfloat16 else []))
 
     def _run(self, requests: list[GenerationRequest]) -> list[Any]:
         """Engine sequences of `requests` in order: requests that carry their own KV budget run in groups of one

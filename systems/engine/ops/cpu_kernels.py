@@ -16,7 +16,8 @@ from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp",
                                                        "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp",
-                                                       "cpu_token_probs.cpp", "cpu_kv.cpp", "cpu_mixed.cpp")]
+                                                       "cpu_token_probs.cpp", "cpu_kv.cpp", "cpu_mixed.cpp",
+                                                       "cpu_prefill_tiles.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
@@ -141,9 +142,9 @@ def _fits(q: torch.Tensor, pool: torch.Tensor, num_kv_heads: int) -> bool:
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      window: int | None = None) -> torch.Tensor:
-    """Same contract as torch_attention.prompt_attention. The kernel (bf16 dot products, built only for CPUs with
-    AVX512-BF16) runs where torch's flash attention would widen bf16 to fp32; on CPUs with AMX tiles torch's own
-    kernel multiplies on the tiles and stays. It has no sliding window: windowed layers take the torch path."""
+    """Same contract as torch_attention.prompt_attention. bf16 with 64- or 128-dim heads takes this project's kernel
+    (cpu_prefill.cpp: on AMX tiles where the CPU has them, else bf16 dot products on AVX512-BF16), which beats torch's
+    flash attention on both; other shapes and dtypes, and windowed layers, take the torch path."""
     if (window is None and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
             and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bf16_prompt_kernel()):
         return torch.ops.kvharness_cpu.prompt_attention(q, k, v, float(scale))
@@ -162,14 +163,21 @@ def has_fused_decode() -> bool:
 
 
 def bf16_prompt_kernel() -> bool:
-    """Whether bf16 prompt attention takes this project's kernel (cpu_prefill.cpp): built, and no AMX tiles, on which
-    torch's flash attention multiplies bf16 itself."""
+    """Whether bf16 prompt attention takes this project's kernel: built (CPUs with AVX512-BF16), and on a CPU with AMX
+    the tile kernel runs (else torch's flash attention, which multiplies on the tiles itself, is the faster one)."""
     if "prompt" not in _state:
         from systems.hardware import cpu_flags
 
         _state["prompt"] = (available() and hasattr(torch.ops.kvharness_cpu, "prompt_attention")
-                            and "amx_bf16" not in cpu_flags())
+                            and ("amx_bf16" not in cpu_flags() or bool(torch.ops.kvharness_cpu.prompt_tiles())))
     return bool(_state["prompt"])
+
+
+def prompt_kernel_name() -> str:
+    """Which kernel bf16 prompt attention runs here, in words (for the summaries' execution line)."""
+    if not bf16_prompt_kernel():
+        return "torch's flash attention"
+    return "AMX tile kernel" if torch.ops.kvharness_cpu.prompt_tiles() else "AVX512-BF16 kernel"
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor,

@@ -72,8 +72,8 @@ at::Tensor prompt_so_far(const at::Tensor& pool, const at::Tensor& table, const 
 at::Tensor bf16_prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("kvharness_cpu::prompt_attention", "")
-                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(q, k, v, scale);
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool)>();
+  return op.call(q, k, v, scale, true);
 }
 
 // Store one chunk's K/V of one layer (store_prompt), count its tokens, and return its attention [n, Hq, D]: causal

@@ -1,4 +1,5 @@
-// Causal prompt (prefill) attention for bf16 on CPUs with AVX512-BF16: q.k and p.v both by vdpbf16ps.
+// Causal prompt (prefill) attention for bf16 on CPUs with AVX512-BF16: q.k and p.v both by vdpbf16ps, or on AMX
+// tiles where the CPU has them (cpu_prefill_tiles.cpp).
 //
 // Why a kernel: torch's CPU flash attention widens bf16 to fp32 and multiplies in fp32 unless the CPU has AMX tiles,
 // which on an AVX512-BF16 CPU (AMD Zen 4) leaves it at about half the speed of bf16 dot products; on 4k-token prompts
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "cpu_common.h"
+#include "cpu_prefill_tiles.h"
 
 #ifdef KVH_HAVE_AVX512_BF16
 namespace {
@@ -180,23 +182,24 @@ at::Tensor run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, do
   return out;
 }
 
-at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool tiles) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prompt attention: q [T, Hq, D], k and v [S, Hkv, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "prompt attention: bf16 only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prompt attention: head dim must be dense");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) >= q.size(0) && q.size(1) % k.size(1) == 0 &&
               q.size(2) == k.size(2), "prompt attention: shapes do not match");
-  switch (q.size(2)) {
-    case 64: return run<64>(q, k, v, scale);
-    case 128: return run<128>(q, k, v, scale);
-    default: TORCH_CHECK(false, "prompt attention: head_dim ", q.size(2), " not compiled (64, 128)");
-  }
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "prompt attention: head_dim ", q.size(2), " not compiled (64, 128)");
+  if (tiles && kvh::tiles_permitted()) return kvh::tile_prompt_attention(q, k, v, scale);
+  return q.size(2) == 64 ? run<64>(q, k, v, scale) : run<128>(q, k, v, scale);
 }
 
 }  // namespace
 
+// tiles: multiply on AMX tiles where the build and the CPU have them (prompt_tiles() says whether they do), else on
+// AVX512-BF16 vectors. The two round differently, so the engine uses one of them throughout.
 TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
-  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor", &prompt_attention);
+  m.def("prompt_attention(Tensor q, Tensor k, Tensor v, float scale, bool tiles=True) -> Tensor", &prompt_attention);
+  m.def("prompt_tiles() -> bool", &kvh::tiles_permitted);
 }
 #endif
