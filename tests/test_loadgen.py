@@ -46,12 +46,17 @@ def test_bad_arrival_arguments(kwargs, needle):
         arrival_times(**kwargs)
 
 
+CONNECTIONS: list[int] = []
+
+
 @pytest.fixture(scope="module")
 def scripted_server():
-    """SSE server with known timing: 100 ms to the first token, then 2 more tokens 50 ms apart, then usage."""
+    """SSE server with known timing: 100 ms to the first token, then 2 more tokens 50 ms apart, then usage; the
+    connection each request came on (the client's port) is appended to CONNECTIONS."""
     from aiohttp import web
 
     async def completions(request):
+        CONNECTIONS.append(request.transport.get_extra_info("peername")[1])     # the client's port
         body = await request.json()
         if body["prompt"] == "busy":
             return web.json_response({"error": {"message": "overloaded"}}, status=503, headers={"Retry-After": "1"})
@@ -96,6 +101,20 @@ def test_client_measures_ttft_itl_and_e2el_like_vllm(scripted_server):
     assert outs[1].start_time - ok.start_time >= 0.195                        # sent at its arrival offset
     assert not busy.success and busy.status == 503 and "503" in busy.error
     assert duration >= 0.25 + 0.2
+
+
+def test_client_drops_connections_idle_before_a_server_closes_them(scripted_server, monkeypatch):
+    """A connection idle longer than IDLE_CONNECTION_S is not reused (a server closing it just then would fail the
+    request); one idle less is."""
+    from harness.measuring import loadgen
+
+    monkeypatch.setattr(loadgen, "IDLE_CONNECTION_S", 0.5)
+    prompts = [Prompt("hello", 1) for _ in range(3)]
+    outs, _ = asyncio.run(run_load(scripted_server, "m", prompts, [0.0, 0.45, 2.0], max_tokens=3))
+    assert all(o.success for o in outs)
+    first, second, third = CONNECTIONS[-3:]
+    assert first == second              # idle about 0.2 s: kept
+    assert third != second              # idle about 1.3 s: a new connection
 
 
 def test_cell_time_limit_cancels_requests_still_in_flight(scripted_server):

@@ -29,6 +29,11 @@ from harness.measuring.serving_stats import RequestOutput
 
 PROCESSES = ("poisson", "gamma", "constant")
 
+# uvicorn (vLLM's server) closes a connection idle for 5 s; a request sent on it just then fails with "Server
+# disconnected" (seen once at 1 req/s). The client drops a connection idle this long itself, well before any
+# server does, so a request's fate never depends on its gap to the previous one.
+IDLE_CONNECTION_S = 2.0
+
 
 def arrival_times(num_requests: int, rate: float, process: str = "poisson", burstiness: float = 1.0,
                   seed: int = 0) -> np.ndarray:
@@ -165,7 +170,8 @@ async def run_load(base_url: str, model: str, prompts: Sequence[Prompt], arrival
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     timeout = aiohttp.ClientTimeout(total=None, sock_read=max_seconds)
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=False,
+                                     keepalive_timeout=IDLE_CONNECTION_S)
 
     async def one(session: aiohttp.ClientSession, p: Prompt) -> RequestOutput:
         payload = request_payload(model, p, max_tokens, chat, temperature, ignore_eos, extra_body)
