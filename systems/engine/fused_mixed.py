@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from systems.engine.kv_cache import TieredKVCache
+from systems.engine.models.linear import WIDEN_MIN_ROWS
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
 from systems.policies.base import Policy
@@ -43,6 +44,8 @@ class FusedMixed:
         self.model, self.kv = model, kv
         self.rope_table = next(iter(model.rope_tables))
         self.steps = 0                  # steps run fused (tests and benchmarks check the path was taken)
+        # the operand list depends on a step's rows only through the widened GEMM's threshold: built once per side
+        self._operands: dict[bool, tuple[int, list[torch.Tensor]] | None] = {}
 
     def takes(self, chunks: list[tuple[Sequence, int, int]]) -> bool:
         """Whether this step can run fused: every chunk is prefill and no probe follows stored positions."""
@@ -51,6 +54,12 @@ class FusedMixed:
     def _weights(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
         """The GEMM kind every product takes at `rows` rows and each layer's 7 operands (ln1, qkv, qkv bias, o,
         ln2, gate_up, down), or None where the products do not all multiply the same way."""
+        wide = rows >= WIDEN_MIN_ROWS
+        if wide not in self._operands:
+            self._operands[wide] = self._gather_weights(rows)
+        return self._operands[wide]
+
+    def _gather_weights(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
         empty = torch.empty(0, dtype=self.model.dtype)
         kinds: set[int] = set()
         flat: list[torch.Tensor] = []
