@@ -126,6 +126,23 @@ def test_focus_line_states_the_tpot_ratio_at_the_highest_sustained_rate_or_says_
     assert "`dense` sustains none" in failed
 
 
+def test_versus_lines_name_each_ratio_and_compare_the_reference_with_the_rest():
+    """Each rate's line says which TPOT is divided by which: the focus against every other system, and the first of
+    `versus` (engine-dense) against the rest (vLLM), so a policy-focused sweep still states the engine's ratio."""
+    from harness.experiments.online_sweep.report import versus_lines
+
+    def row(system, tpot, client="harness client"):
+        return {"system": system, "request_rate": 0.2, "mean_tpot_ms": tpot, "mean_itl_ms": tpot,
+                "cores_busy": 1.5, "client": client}
+    rows = [row("flexi", 60.0), row("dense", 40.0), row("vllm", 80.0), row("dense", 44.0, "vllm bench serve"),
+            row("flexi", 66.0, "vllm bench serve")]
+    harness, bench = versus_lines(rows, "flexi", ["dense", "vllm"])
+    assert harness.startswith("harness client, 0.2 req/s: mean TPOT / ITL `flexi` 60.0 / 60.0 ms")
+    assert "(TPOT ratios: `flexi` ÷ `dense` 1.50×, `flexi` ÷ `vllm` 0.75×, `dense` ÷ `vllm` 0.50×)" in harness
+    # a system missing from a client's rows drops only the ratios it is part of
+    assert bench.endswith("(TPOT ratios: `flexi` ÷ `dense` 1.50×)")
+
+
 @pytest.mark.slow
 def test_vllm_bench_client_measures_the_engine_server_beside_the_harness_client(tiny_llama_dir, tmp_path):
     """`vllm bench serve` runs against the engine's server at the same rate as the harness's client; both land in

@@ -53,7 +53,8 @@ def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
 
 
 def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
-    """Per client and rate: `focus`'s mean TPOT and ITL against each of `versus`, with the cores each kept busy."""
+    """Per client and rate: `focus`'s mean TPOT and ITL against each of `versus`, with the cores each kept busy, and
+    versus[0]'s TPOT against the rest of `versus` (engine-dense ÷ vLLM where the focus is a policy)."""
     out = []
     for client in dict.fromkeys(r.get("client", "harness client") for r in rows):
         at = {(r["system"], r["request_rate"]): r for r in rows if r.get("client", "harness client") == client}
@@ -62,11 +63,15 @@ def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
             if not f or not f.get("mean_tpot_ms"):
                 continue
             parts = [f"`{v}` {fmt(at[(v, rate)]['mean_tpot_ms'])} / {fmt(at[(v, rate)]['mean_itl_ms'])} ms on "
-                     f"{fmt(at[(v, rate)].get('cores_busy'), 2)} cores (TPOT ratio "
-                     f"{f['mean_tpot_ms'] / at[(v, rate)]['mean_tpot_ms']:.2f}×)" for v in versus if (v, rate) in at]
+                     f"{fmt(at[(v, rate)].get('cores_busy'), 2)} cores" for v in versus if (v, rate) in at]
+            pairs = [(focus, v) for v in versus] + [(versus[0], v) for v in versus[1:]]
+            ratios = [f"`{a}` ÷ `{b}` {at[(a, rate)]['mean_tpot_ms'] / at[(b, rate)]['mean_tpot_ms']:.2f}×"
+                      for a, b in pairs if (a, rate) in at and (b, rate) in at and at[(b, rate)].get("mean_tpot_ms")
+                      and at[(a, rate)].get("mean_tpot_ms")]
             if parts:
                 out.append(f"{client}, {rate:g} req/s: mean TPOT / ITL `{focus}` {fmt(f['mean_tpot_ms'])} / "
-                           f"{fmt(f['mean_itl_ms'])} ms on {fmt(f.get('cores_busy'), 2)} cores; " + "; ".join(parts))
+                           f"{fmt(f['mean_itl_ms'])} ms on {fmt(f.get('cores_busy'), 2)} cores; " + "; ".join(parts)
+                           + f" (TPOT ratios: {', '.join(ratios)})")
     return out
 
 
