@@ -141,6 +141,11 @@ def test_versus_lines_name_each_ratio_and_compare_the_reference_with_the_rest():
     assert "(TPOT ratios: `flexi` ÷ `dense` 1.50×, `flexi` ÷ `vllm` 0.75×, `dense` ÷ `vllm` 0.50×)" in harness
     # a system missing from a client's rows drops only the ratios it is part of
     assert bench.endswith("(TPOT ratios: `flexi` ÷ `dense` 1.50×)")
+    # a cell where no request completed (NaN or 0 TPOT) takes part in no ratio
+    failed = versus_lines([row("flexi", 60.0), row("dense", float("nan")), row("vllm", 0.0)], "flexi",
+                          ["dense", "vllm"])
+    assert failed == ["harness client, 0.2 req/s: mean TPOT / ITL `flexi` 60.0 / 60.0 ms on 1.50 cores; "
+                      "`dense` — / — ms on 1.50 cores; `vllm` 0.0 / 0.0 ms on 1.50 cores"]
 
 
 @pytest.mark.slow

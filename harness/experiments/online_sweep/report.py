@@ -1,6 +1,8 @@
 """The online sweep's summary: latency tables and figures per rate, and whether a system kept up with a rate."""
 from __future__ import annotations
 
+import math
+
 from harness.experiments.online_sweep.params import Params
 from harness.reporting import plots, uncertainty
 from harness.reporting.tables import fmt
@@ -60,19 +62,24 @@ def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
         at = {(r["system"], r["request_rate"]): r for r in rows if r.get("client", "harness client") == client}
         for rate in sorted({r for _, r in at}):
             f = at.get((focus, rate))
-            if not f or not f.get("mean_tpot_ms"):
+            if not f or _tpot(f) is None:
                 continue
             parts = [f"`{v}` {fmt(at[(v, rate)]['mean_tpot_ms'])} / {fmt(at[(v, rate)]['mean_itl_ms'])} ms on "
                      f"{fmt(at[(v, rate)].get('cores_busy'), 2)} cores" for v in versus if (v, rate) in at]
             pairs = [(focus, v) for v in versus] + [(versus[0], v) for v in versus[1:]]
-            ratios = [f"`{a}` ÷ `{b}` {at[(a, rate)]['mean_tpot_ms'] / at[(b, rate)]['mean_tpot_ms']:.2f}×"
-                      for a, b in pairs if (a, rate) in at and (b, rate) in at and at[(b, rate)].get("mean_tpot_ms")
-                      and at[(a, rate)].get("mean_tpot_ms")]
+            tpot = {a: t for a in (focus, *versus) if (a, rate) in at and (t := _tpot(at[(a, rate)])) is not None}
+            ratios = [f"`{a}` ÷ `{b}` {tpot[a] / tpot[b]:.2f}×" for a, b in pairs if a in tpot and b in tpot]
             if parts:
                 out.append(f"{client}, {rate:g} req/s: mean TPOT / ITL `{focus}` {fmt(f['mean_tpot_ms'])} / "
                            f"{fmt(f['mean_itl_ms'])} ms on {fmt(f.get('cores_busy'), 2)} cores; " + "; ".join(parts)
-                           + f" (TPOT ratios: {', '.join(ratios)})")
+                           + (f" (TPOT ratios: {', '.join(ratios)})" if ratios else ""))
     return out
+
+
+def _tpot(row: dict) -> float | None:
+    """A row's mean TPOT where it is a measurement (None where no request completed: 0, None or NaN)."""
+    value = row.get("mean_tpot_ms")
+    return value if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
 
 
 def client_agreement(rows: list[dict]) -> list[list]:
