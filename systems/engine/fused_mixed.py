@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from systems.engine.kv_cache import TieredKVCache
-from systems.engine.models.linear import WIDEN_MIN_ROWS
+from systems.engine.models.linear import widens
 from systems.engine.models.llama import LlamaModel
 from systems.engine.ops import cpu_kernels
 from systems.policies.base import Policy
@@ -54,7 +54,7 @@ class FusedMixed:
     def _weights(self, rows: int) -> tuple[int, list[torch.Tensor]] | None:
         """The GEMM kind every product takes at `rows` rows and each layer's 7 operands (ln1, qkv, qkv bias, o,
         ln2, gate_up, down), or None where the products do not all multiply the same way."""
-        wide = rows >= WIDEN_MIN_ROWS
+        wide = widens(rows)
         if wide not in self._operands:
             self._operands[wide] = self._gather_weights(rows)
         return self._operands[wide]

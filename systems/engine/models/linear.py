@@ -35,6 +35,11 @@ def prepacked(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor |
 WIDEN_MIN_ROWS = 16
 
 
+def widens(rows: int) -> bool:
+    """Whether a product of `rows` rows takes the widened fp32 GEMM where a Linear has one."""
+    return rows >= WIDEN_MIN_ROWS
+
+
 def emulates_bf16(weight: torch.Tensor) -> bool:
     """True for a bf16 CPU weight where oneDNN has no bf16 kernels (AVX2-only CPUs): torch's fallback GEMM is then
     4-6x slower than fp32 on prompt-sized inputs (a 1k-token SmolLM2 prefill: 14 s vs 2.4 s). bf16 products are
@@ -93,7 +98,7 @@ class Linear:
         (F.linear); each with the bias that call takes."""
         if self.packed is not None:
             return 0, self.packed, self.bias
-        if self.wide is not None and rows >= WIDEN_MIN_ROWS:
+        if self.wide is not None and widens(rows):
             return 1, *self.wide
         return 2, self.weight, self.bias
 
