@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.reporting.tables import finite
+
 Series = Mapping[str, Sequence[tuple[float, float]]]                 # label -> [(x, y), ...]
 Errors = Mapping[str, Sequence[tuple[float, float, float]]]          # label -> [(x, low, high), ...]
 
@@ -86,10 +88,6 @@ def _save(fig: Any, path: Path, note: str | None = None) -> str:
     return str(path)
 
 
-def _finite(v: object) -> bool:
-    return v is not None and isinstance(v, (int, float)) and math.isfinite(v)
-
-
 def line_plot(path: Path, series: Series, xlabel: str, ylabel: str, title: str, note: str | None = None,
               **kwargs: Any) -> str:
     """One line per label (markers at the points, error bars from `errors`, nudged apart on x with `dodge`);
@@ -140,7 +138,7 @@ def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
         return (colours or {}).get(label) or own.get(label) or colour(label)
 
     for label, pts in (dashed or {}).items():
-        pts = sorted((x, y) for x, y in pts if _finite(y))
+        pts = sorted((x, y) for x, y in pts if finite(y))
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle=(0, (6, 3)), linewidth=2.2, alpha=0.45,
                     color=pick(label), zorder=1)
@@ -148,18 +146,18 @@ def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
                     color="black", zorder=4)
     if dashed:
         ax.plot([], [], linestyle=(0, (6, 3)), marker="x", linewidth=2.2, alpha=0.6, color="grey", label=dashed_label)
-    if band is not None and _finite(band[1]):
+    if band is not None and finite(band[1]):
         name, value, low, high = band
         ax.axhline(value, color=pick(name), linewidth=1.2, label=f"{name} (95 % CI shaded)", zorder=2)
-        if _finite(low) and _finite(high):
+        if finite(low) and finite(high):
             ax.axhspan(low, high, color=pick(name), alpha=0.15, zorder=0)
     if hline is not None:
         ax.axhline(hline, color="black", linewidth=0.8, linestyle=":", zorder=1)
-    drawn = [label for label, pts in series.items() if any(_finite(y) for _, y in pts)]
-    all_x = sorted({float(x) for pts in series.values() for x, y in pts if _finite(y)})
+    drawn = [label for label, pts in series.items() if any(finite(y) for _, y in pts)]
+    all_x = sorted({float(x) for pts in series.values() for x, y in pts if finite(y)})
     span = (all_x[-1] - all_x[0]) if len(all_x) > 1 else 1.0
     for i, (label, pts) in enumerate(series.items()):
-        pts = sorted((x, y) for x, y in pts if _finite(y))
+        pts = sorted((x, y) for x, y in pts if finite(y))
         if not pts:
             continue
         k = drawn.index(label)
@@ -169,7 +167,7 @@ def _lines(ax: Any, series: Series, xlabel: str, ylabel: str, title: str, *,
         marker = "osD^vP*X"[i % 8]
         ax.plot([at(p[0]) for p in pts], [p[1] for p in pts], marker=marker, markersize=4.5, label=label,
                 color=pick(label), zorder=3)
-        bars = [(x, lo, hi) for x, lo, hi in (errors or {}).get(label, ()) if _finite(lo) and _finite(hi)]
+        bars = [(x, lo, hi) for x, lo, hi in (errors or {}).get(label, ()) if finite(lo) and finite(hi)]
         if bars:
             ys = dict(pts)
             xs = [x for x, _, _ in bars if x in ys]
@@ -220,10 +218,10 @@ def _draw_heatmap(ax: Any, values: Sequence[Sequence[float]], row_labels: Sequen
                   vmin: float | None, vmax: float | None, cmap: str, digits: int,
                   notes: Sequence[Sequence[str]] | None = None) -> Any:
     import numpy as np
-    data = np.array([[v if _finite(v) else np.nan for v in row] for row in values], dtype=float)
+    data = np.array([[v if finite(v) else np.nan for v in row] for row in values], dtype=float)
     if vmin is None or vmax is None:            # fit the scale to the data (a fixed 0..1.2 hides ratios above it)
-        finite = data[np.isfinite(data)]
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        measured = data[np.isfinite(data)]
+        lo, hi = (float(measured.min()), float(measured.max())) if measured.size else (0.0, 1.0)
         vmin = lo if vmin is None else vmin
         vmax = (hi if hi > vmin else vmin + 1.0) if vmax is None else vmax
     masked = np.ma.masked_invalid(data)         # missing cells stay blank (grey), not coloured as 0
@@ -332,7 +330,7 @@ def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]],
     own = figure_colours(list(groups) if colour_by == "group" else list(series))
     for i, (label, vals) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        keep = [j for j, v in enumerate(vals) if _finite(v)]
+        keep = [j for j, v in enumerate(vals) if finite(v)]
         by_group = colour_by == "group"
         colours = [own[groups[j]] if by_group else own[label] for j in keep]
         hatch = hatches[i % len(hatches)] if by_group else ""
@@ -342,7 +340,7 @@ def _bars(ax: Any, groups: Sequence[str], series: Mapping[str, Sequence[float]],
                              label=label))
         errs = (errors or {}).get(label)
         if errs:
-            ok = [j for j in keep if _finite(errs[j][0]) and _finite(errs[j][1])]
+            ok = [j for j in keep if finite(errs[j][0]) and finite(errs[j][1])]
             ax.errorbar([xs[j] for j in ok], [vals[j] for j in ok],
                         yerr=[[max(0.0, vals[j] - errs[j][0]) for j in ok],
                               [max(0.0, errs[j][1] - vals[j]) for j in ok]],

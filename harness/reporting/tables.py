@@ -6,7 +6,12 @@ import io
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
+
+
+def finite(x: object) -> TypeGuard[float]:
+    """A measured number: an int or float that is neither NaN nor infinite (None and other types are not)."""
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def fmt(v: Any, digits: int = 1) -> str:

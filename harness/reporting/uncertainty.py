@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
+from harness.reporting.tables import finite
+
 N_RESAMPLES = 10_000
 CONFIDENCE = 0.95
 SEED = 0
@@ -40,15 +42,15 @@ class Estimate:
 
     def fmt(self, digits: int = 2, with_n: bool = True) -> str:
         """`0.82 [0.71, 0.93] n=120` (— for an undefined value)."""
-        if not _finite(self.value):
+        if not finite(self.value):
             return "—"
-        ci = (f" [{self.low:.{digits}f}, {self.high:.{digits}f}]" if _finite(self.low) and _finite(self.high)
+        ci = (f" [{self.low:.{digits}f}, {self.high:.{digits}f}]" if finite(self.low) and finite(self.high)
               else " [—]")
         return f"{self.value:.{digits}f}{ci}" + (f" n={self.n}" if with_n else "")
 
     def excludes(self, x: float = 0.0) -> bool:
         """Whether the interval lies wholly on one side of x (an ordering the data support)."""
-        return _finite(self.low) and _finite(self.high) and (self.low > x or self.high < x)
+        return finite(self.low) and finite(self.high) and (self.low > x or self.high < x)
 
     def as_dict(self, prefix: str = "") -> dict[str, float | int]:
         return {f"{prefix}value" if prefix else "value": self.value, f"{prefix}ci_low": self.low,
@@ -56,10 +58,6 @@ class Estimate:
 
 
 NAN = Estimate(math.nan, math.nan, math.nan, 0)
-
-
-def _finite(x: object) -> bool:
-    return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _array(x: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -176,4 +174,4 @@ def macro_difference(units: Sequence[tuple[Sequence[float], Sequence[float], Seq
 
 
 def half_width(e: Estimate) -> float:
-    return (e.high - e.low) / 2 if _finite(e.low) and _finite(e.high) else math.nan
+    return (e.high - e.low) / 2 if finite(e.low) and finite(e.high) else math.nan

@@ -1,11 +1,9 @@
 """The online sweep's summary: latency tables and figures per rate, and whether a system kept up with a rate."""
 from __future__ import annotations
 
-import math
-
 from harness.experiments.online_sweep.params import Params
 from harness.reporting import plots, uncertainty
-from harness.reporting.tables import fmt
+from harness.reporting.tables import finite, fmt
 from harness.running.experiment import Run
 
 STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")]
@@ -79,7 +77,7 @@ def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
 def _tpot(row: dict) -> float | None:
     """A row's mean TPOT where it is a measurement (None where no request completed: 0, None or NaN)."""
     value = row.get("mean_tpot_ms")
-    return value if isinstance(value, (int, float)) and math.isfinite(value) and value > 0 else None
+    return value if finite(value) and value > 0 else None
 
 
 def client_agreement(rows: list[dict]) -> list[list]:
