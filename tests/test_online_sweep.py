@@ -124,6 +124,10 @@ def test_focus_line_states_the_tpot_ratio_at_the_highest_sustained_rate_or_says_
     failed = focus_line([{**r, "completed": 15} if r["system"] == "dense" else r for r in rows], "flexi",
                         ["dense", "vllm"])
     assert "`dense` sustains none" in failed
+    # a system with no completed request at that rate (0 or NaN TPOT) is left out of the ratios, not divided by
+    empty = focus_line([{**r, "mean_tpot_ms": 0.0} if r["system"] == "vllm" else r for r in rows], "flexi",
+                       ["dense", "vllm"])
+    assert "0.67× `dense`'s (150 ms)" in empty and "`vllm`" not in empty.split("is ", 1)[1]
 
 
 def test_versus_lines_name_each_ratio_and_compare_the_reference_with_the_rest():

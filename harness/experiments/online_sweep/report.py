@@ -42,13 +42,12 @@ def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
         if rate is None:
             return None
         where = f"`{versus[0]}` sustains none of the rates ({SUSTAINED}); at the lowest, {rate:g} req/s"
-    at = {r["system"]: r for r in rows if r["request_rate"] == rate}
-    if focus not in at or not at[focus]["mean_tpot_ms"]:
+    tpot = {r["system"]: t for r in rows if r["request_rate"] == rate and (t := _tpot(r)) is not None}
+    if focus not in tpot:
         return None
     # focus ÷ versus, as the per-rate lines state it: above 1× the focus system is slower
-    parts = [f"{at[focus]['mean_tpot_ms'] / at[v]['mean_tpot_ms']:.2f}× `{v}`'s ({at[v]['mean_tpot_ms']:.0f} ms)"
-             for v in versus if v in at]
-    return (f"{where}, `{focus}`'s mean TPOT ({at[focus]['mean_tpot_ms']:.0f} ms) is " + " and ".join(parts)
+    parts = [f"{tpot[focus] / tpot[v]:.2f}× `{v}`'s ({tpot[v]:.0f} ms)" for v in versus if v in tpot]
+    return (f"{where}, `{focus}`'s mean TPOT ({tpot[focus]:.0f} ms) is " + " and ".join(parts)
             + " (above 1×: slower).")
 
 
