@@ -12,12 +12,12 @@ SCALE = D ** -0.5
 IMPLS = {"torch": torch_attention.token_probs, "cpu": cpu_kernels.token_probs}
 
 
-def _rows(dtype: torch.dtype, lengths: list[list[int]], seed: int = 0):
+def _rows(dtype: torch.dtype, lengths: list[list[int]], seed: int = 0, page: int = P):
     """A shuffled paged pool holding rows of the given per-head lengths: (q, pool, tables, counts, keys per row)."""
     g = torch.Generator().manual_seed(seed)
-    pages = max(-(-n // P) for row in lengths for n in row)
+    pages = max(-(-n // page) for row in lengths for n in row)
     blocks = torch.randperm(len(lengths) * HKV * pages, generator=g).view(len(lengths), HKV, pages).int() + 1
-    pool = torch.randn(int(blocks.max()) + 1, P, D, generator=g).to(dtype)
+    pool = torch.randn(int(blocks.max()) + 1, page, D, generator=g).to(dtype)
     q = torch.randn(len(lengths), HKV * G, D, generator=g).to(dtype)
     counts = torch.tensor(lengths, dtype=torch.int32)
     keys = [[pool[blocks[r, h].long()].reshape(-1, D)[:n] for h, n in enumerate(row)] for r, row in enumerate(lengths)]
@@ -26,11 +26,13 @@ def _rows(dtype: torch.dtype, lengths: list[list[int]], seed: int = 0):
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_probabilities_are_each_heads_softmax_over_its_own_tokens(impl, dtype):
+# pages of 16 tokens, fewer (8) and more than the kernel's 16-token chunks, 24 of them not a multiple of the chunk
+@pytest.mark.parametrize("page", [16, 8, 24])
+def test_probabilities_are_each_heads_softmax_over_its_own_tokens(impl, dtype, page):
     if impl == "cpu" and not cpu_kernels.available():
         pytest.skip("CPU kernels not built")
     lengths = [[300, 17, 256], [1, 40, 129]]                   # page edges, a partial last page, uneven heads
-    q, pool, tables, counts, keys = _rows(dtype, lengths)
+    q, pool, tables, counts, keys = _rows(dtype, lengths, page=page)
     got = IMPLS[impl](q, pool, tables, counts, SCALE, 310)
     assert got.shape == (2, HKV * G, 310) and got.dtype == torch.float32
     for r, row in enumerate(lengths):

@@ -5,7 +5,9 @@
 // (about 14 ops, batched rows would round differently as the batch changes), so at batch 32 over 30 layers the
 // scoring took longer than the model. Here every (row, KV head) is one task: its keys are read in place through
 // its block table, its group's logits and softmax computed in a fixed order, so a row's probabilities depend on
-// neither the other rows, nor the thread count, nor which thread ran it.
+// neither the other rows, nor the thread count, nor which thread ran it. With AVX512-BF16 and bf16 queries and
+// keys the logits are the decode attention's own (vdpbf16ps over 16 tokens, reduced together): one dot product per
+// token and query head reduced across its lanes on its own cost as much as the attention that read those keys.
 //
 // The pooled_victims op is the rest of such an eviction where the scores are pooled along an order of the tokens
 // (CAKE's decode rule): in torch two argsorts, a gather and the pooling over every (row, KV head) cost more per step
@@ -27,22 +29,8 @@ namespace {
 
 using kvh::to_float;
 
-// One (row, KV head): q [G, D] fp32, its first n tokens through `table` (pool blocks of P tokens) -> out rows
-// [G, width] (row g at out + g * width): logit = (q . k) * scale, softmax over the n tokens, 0 past n.
-template <typename T>
-void head_probs(const float* q, int G, const T* k_pool, const int32_t* table, int64_t n, int P, int64_t D,
-                float scale, float* out, int64_t width, float* k_row) {
-  for (int64_t t = 0; t < n; ++t) {
-    const T* k = k_pool + (static_cast<int64_t>(table[t / P]) * P + t % P) * D;
-    for (int64_t d = 0; d < D; ++d) k_row[d] = to_float(k[d]);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t d = 0; d < D; ++d) acc += qg[d] * k_row[d];
-      out[g * width + t] = acc * scale;
-    }
-  }
+// Each of the G rows [0, n) of out (stride width) -> its softmax; 0 from n to width.
+void softmax_rows(float* out, int G, int64_t n, int64_t width) {
   for (int g = 0; g < G; ++g) {
     float* o = out + g * width;
     float mx = -INFINITY;
@@ -59,6 +47,93 @@ void head_probs(const float* q, int G, const T* k_pool, const int32_t* table, in
   }
 }
 
+// One (row, KV head): q [G, D] fp32, its first n tokens through `table` (pool blocks of P tokens) -> out rows
+// [G, width] (row g at out + g * width): logit = (q . k) * scale, softmax over the n tokens, 0 past n.
+template <typename T>
+void head_probs(const float* q, int G, const T* k_pool, const int32_t* table, int64_t n, int P, int64_t D,
+                float scale, float* out, int64_t width, float* k_row) {
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = k_pool + (static_cast<int64_t>(table[t / P]) * P + t % P) * D;
+    for (int64_t d = 0; d < D; ++d) k_row[d] = to_float(k[d]);
+    for (int g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < D; ++d) acc += qg[d] * k_row[d];
+      out[g * width + t] = acc * scale;
+    }
+  }
+  softmax_rows(out, G, n, width);
+}
+
+#ifdef KVH_HAVE_AVX512_BF16
+// The first min(left, 16) lanes.
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// head_probs for bf16 q [G, D] and keys, D a multiple of 32: 16 tokens of a page at a time, each query head's dot
+// products by vdpbf16ps straight from the stored keys and reduced together by sum16, as the decode attention does.
+void head_probs_bf16(const uint16_t* q, int G, const uint16_t* k_pool, const int32_t* table, int64_t n, int P,
+                     int64_t D, float scale, float* out, int64_t width) {
+  const int64_t NB = D / 32;
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 dots[kvh::kMaxGroup][16];
+  for (int64_t page = 0; page * P < n; ++page) {
+    const int valid = static_cast<int>(std::min<int64_t>(P, n - page * P));
+    const uint16_t* base = k_pool + static_cast<int64_t>(table[page]) * P * D;
+    if ((page + 1) * P < n) {     // pages are scattered blocks, beyond the hardware prefetcher: fetch the next one
+      const uint16_t* next = k_pool + static_cast<int64_t>(table[page + 1]) * P * D;
+      const int64_t count = std::min<int64_t>(P, n - (page + 1) * P) * D;
+      for (int64_t off = 0; off < count; off += 32) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+    }
+    for (int c0 = 0; c0 < valid; c0 += 16) {
+      const int nc = std::min(16, valid - c0);
+      const uint16_t* kp = base + static_cast<int64_t>(c0) * D;
+      const __mmask16 live = static_cast<__mmask16>((1u << nc) - 1u);
+      for (int t = 0; t < 16; ++t) {
+        if (t < nc) {
+          const uint16_t* kt = kp + t * D;
+          for (int g = 0; g < G; ++g) {
+            const uint16_t* qg = q + g * D;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qg),
+                                        (__m512bh)_mm512_loadu_si512(kt));
+            for (int64_t c = 1; c < NB; ++c)
+              a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + c * 32),
+                                   (__m512bh)_mm512_loadu_si512(kt + c * 32));
+            dots[g][t] = a;
+          }
+        } else {
+          for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        _mm512_mask_storeu_ps(out + g * width + page * P + c0, live, _mm512_mul_ps(kvh::sum16(dots[g]), scale_v));
+    }
+  }
+  for (int g = 0; g < G; ++g) {             // the softmax, 16 logits at a time
+    float* o = out + g * width;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < n; t += 16)
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - t), o + t));
+    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 m = tail_mask(n - t);
+      const __m512 e = _mm512_maskz_mov_ps(m, kvh::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, o + t), top)));
+      _mm512_mask_storeu_ps(o + t, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < n; t += 16) {
+      const __mmask16 m = tail_mask(n - t);
+      _mm512_mask_storeu_ps(o + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + t), inv));
+    }
+    std::fill(o + n, o + width, 0.0f);
+  }
+}
+#endif
+
 // q [R, Hq, D] (bf16 or fp32), k_pool [blocks, P, D] (bf16 or fp32), tables [R, Hkv, M] int32 (every listed page
 // resident), counts [R, Hkv] int32 -> fp32 [R, Hq, width], width >= every count.
 at::Tensor token_probs(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& tables,
@@ -71,16 +146,29 @@ at::Tensor token_probs(const at::Tensor& q, const at::Tensor& k_pool, const at::
   const int P = static_cast<int>(k_pool.size(1));
   TORCH_CHECK(Hq % Hkv == 0 && k_pool.size(2) == D && counts.size(0) == R && counts.size(1) == Hkv &&
               tables.size(0) == R, "token_probs: shapes disagree");
-  const at::Tensor qf = q.to(at::kFloat).contiguous(), tb = tables.contiguous(), cn = counts.contiguous();
+  const at::Tensor tb = tables.contiguous(), cn = counts.contiguous();
   const int32_t* tp = tb.data_ptr<int32_t>();
   const int32_t* cp = cn.data_ptr<int32_t>();
   for (int64_t i = 0; i < R * Hkv; ++i)
     TORCH_CHECK(cp[i] >= 0 && cp[i] <= std::min<int64_t>(width, M * P), "token_probs: a count past the width");
   at::Tensor out = at::empty({R, Hq, width}, q.options().dtype(at::kFloat));
-  const float* qp = qf.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int G = static_cast<int>(Hq / Hkv);
   const float sc = static_cast<float>(scale);
+#ifdef KVH_HAVE_AVX512_BF16
+  if (k_pool.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && D % 32 == 0) {
+    const at::Tensor qb = q.contiguous();
+    const uint16_t* qh = reinterpret_cast<const uint16_t*>(qb.data_ptr());
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
+    kvh::parallel_tasks(R * Hkv, [&](auto next) {
+      for (int64_t i; (i = next()) < R * Hkv;)
+        head_probs_bf16(qh + i * G * D, G, kp, tp + i * M, cp[i], P, D, sc, op + i * G * width, width);
+    });
+    return out;
+  }
+#endif
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const float* qp = qf.data_ptr<float>();
   auto run = [&](auto zero) {
     using T = decltype(zero);
     const T* kp = reinterpret_cast<const T*>(k_pool.data_ptr());
