@@ -67,6 +67,23 @@ def test_minmax_incremental_equals_recomputed():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_page_minmax_equals_the_torch_reference(dtype):
+    """The CPU op (a decode-time eviction recomputes two pages' bounds per head and layer) returns torch's values:
+    every listed block's bounds over its first n tokens, 1 to a full page, blocks listed twice or out of order."""
+    from systems.engine.ops import cpu_kernels
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
+    assert hasattr(torch.ops.kvharness_cpu, "page_minmax")
+    g = torch.Generator().manual_seed(2)
+    k_pool = torch.randn(9, 16, 64, generator=g).to(dtype)
+    blocks = torch.tensor([3, 1, 8, 3, 5, 2])
+    fill = torch.tensor([1, 16, 7, 16, 2, 15])
+    want = page_minmax(k_pool, blocks, fill)
+    got = cpu_kernels.page_minmax(k_pool, blocks, fill)
+    assert all(w.dtype == x.dtype == dtype and torch.equal(w, x) for w, x in zip(want, got))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_attention_matches_naive(dtype):
     q, k_pool, v_pool, table, counts = _paged_case()
     scale = 1 / math.sqrt(q.shape[-1])

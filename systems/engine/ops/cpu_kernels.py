@@ -247,6 +247,15 @@ def store_prompt(k_pool: torch.Tensor, v_pool: torch.Tensor, kmin: torch.Tensor,
     torch.ops.kvharness_cpu.store_prompt(k_pool, v_pool, kmin, kmax, table.to(torch.int32), k, v, int(start))
 
 
+def page_minmax(k_pool: torch.Tensor, block_ids: torch.Tensor, n_tokens: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as torch_kv.page_minmax; one call (exact mins and maxes, as torch's)."""
+    if (k_pool.dtype not in (torch.bfloat16, torch.float32) or not k_pool.is_contiguous() or not available()
+            or not hasattr(torch.ops.kvharness_cpu, "page_minmax")):
+        return torch_kv.page_minmax(k_pool, block_ids, n_tokens)
+    return torch.ops.kvharness_cpu.page_minmax(k_pool, block_ids, n_tokens)
+
+
 def token_probs(q: torch.Tensor, k_pool: torch.Tensor, tables: torch.Tensor, counts: torch.Tensor, scale: float,
                 width: int) -> torch.Tensor:
     """Same contract as torch_attention.token_probs; one task per (row, KV head), keys read in place."""

@@ -87,6 +87,21 @@ void append_kv(const Storage& st, int64_t layer, const T* k_rows, const T* v_row
   }
 }
 
+// The MinMax bounds lo, hi [D] of a page's first `fill` (>= 1) rows [fill, D].
+template <typename T>
+void page_bounds(const T* rows, int64_t fill, int64_t D, T* lo, T* hi) {
+  std::memcpy(lo, rows, D * sizeof(T));
+  std::memcpy(hi, rows, D * sizeof(T));
+  for (int64_t r = 1; r < fill; ++r) {
+    const T* x = rows + r * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const float fx = to_float(x[d]);
+      if (fx < to_float(lo[d])) lo[d] = x[d];
+      if (fx > to_float(hi[d])) hi[d] = x[d];
+    }
+  }
+}
+
 template <typename T>
 void store_pages(T* k_pool, T* v_pool, T* kmin, T* kmax, const at::Tensor& table, const T* k, const T* v, int64_t n,
                  int64_t H, int64_t D, int64_t P, int64_t start, const int64_t mm[2]) {
@@ -103,18 +118,7 @@ void store_pages(T* k_pool, T* v_pool, T* kmin, T* kmax, const at::Tensor& table
     for (int64_t page = first; page < end; ++page) {
       const T* rows = k_pool + static_cast<int64_t>(tp[h * ts0 + page * ts1]) * P * D;
       const int64_t fill = std::min<int64_t>(P, start + n - page * P);
-      T* lo = kmin + h * mm[0] + page * mm[1];
-      T* hi = kmax + h * mm[0] + page * mm[1];
-      std::memcpy(lo, rows, D * sizeof(T));
-      std::memcpy(hi, rows, D * sizeof(T));
-      for (int64_t r = 1; r < fill; ++r) {
-        const T* x = rows + r * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float fx = to_float(x[d]);
-          if (fx < to_float(lo[d])) lo[d] = x[d];
-          if (fx > to_float(hi[d])) hi[d] = x[d];
-        }
-      }
+      page_bounds(rows, fill, D, kmin + h * mm[0] + page * mm[1], kmax + h * mm[0] + page * mm[1]);
     }
   }
 }
