@@ -73,3 +73,19 @@ def test_kernel_equals_the_torch_reference_closely():
     ref = torch_attention.token_probs(q, pool, tables, counts, SCALE, 500)
     got = cpu_kernels.token_probs(q, pool, tables, counts, SCALE, 500)
     assert torch.allclose(got, ref, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_groups_larger_than_the_vector_kernel_holds_take_the_general_path(impl):
+    """17 query heads on one KV head: more than the AVX512-BF16 path keeps (16), so the kernel takes its general
+    path; both still return each head's softmax."""
+    if impl == "cpu" and not cpu_kernels.available():
+        pytest.skip("CPU kernels not built")
+    g = torch.Generator().manual_seed(9)
+    pool = torch.randn(5, P, D, generator=g).to(torch.bfloat16)
+    tables = torch.tensor([[[3, 1, 4]]], dtype=torch.int32)
+    q = torch.randn(1, 17, D, generator=g).to(torch.bfloat16)
+    keys = pool[tables[0, 0].long()].reshape(-1, D)[:40]
+    got = IMPLS[impl](q, pool, tables, torch.tensor([[40]], dtype=torch.int32), SCALE, 48)
+    expect = (q[0].double() @ keys.double().T * SCALE).softmax(-1)
+    assert torch.allclose(got[0, :, :40].double(), expect, atol=2e-6) and bool((got[0, :, 40:] == 0).all())

@@ -249,7 +249,8 @@ def store_prompt(k_pool: torch.Tensor, v_pool: torch.Tensor, kmin: torch.Tensor,
 
 def page_minmax(k_pool: torch.Tensor, block_ids: torch.Tensor, n_tokens: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as torch_kv.page_minmax; one call (exact mins and maxes, as torch's)."""
+    """Same contract as torch_kv.page_minmax, in one call: the same values for finite keys (exact mins and maxes;
+    a NaN or an all-infinite lane may differ, as in store_prompt)."""
     if (k_pool.dtype not in (torch.bfloat16, torch.float32) or not k_pool.is_contiguous() or not available()
             or not hasattr(torch.ops.kvharness_cpu, "page_minmax")):
         return torch_kv.page_minmax(k_pool, block_ids, n_tokens)

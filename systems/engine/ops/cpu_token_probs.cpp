@@ -5,9 +5,10 @@
 // (about 14 ops, batched rows would round differently as the batch changes), so at batch 32 over 30 layers the
 // scoring took longer than the model. Here every (row, KV head) is one task: its keys are read in place through
 // its block table, its group's logits and softmax computed in a fixed order, so a row's probabilities depend on
-// neither the other rows, nor the thread count, nor which thread ran it. With AVX512-BF16 and bf16 queries and
-// keys the logits are the decode attention's own (vdpbf16ps over 16 tokens, reduced together): one dot product per
-// token and query head reduced across its lanes on its own cost as much as the attention that read those keys.
+// neither the other rows, nor the thread count, nor which thread ran it. With AVX512-BF16, bf16 queries and keys,
+// head_dim 64 or 128 and groups of at most 16, the logits take the decode attention kernel's arithmetic (vdpbf16ps
+// over 16 tokens, their lanes reduced together): reducing each token's dot product across its lanes on its own,
+// with a scalar exp per logit, cost as much as the attention that had read those keys.
 //
 // The pooled_victims op is the rest of such an eviction where the scores are pooled along an order of the tokens
 // (CAKE's decode rule): in torch two argsorts, a gather and the pooling over every (row, KV head) cost more per step
@@ -72,7 +73,7 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// head_probs for bf16 q [G, D] and keys, D a multiple of 32: 16 tokens of a page at a time, each query head's dot
+// head_probs for bf16 q [G, D] and keys, D 64 or 128, G <= kMaxGroup: 16 tokens of a page at a time, each query head's dot
 // products by vdpbf16ps straight from the stored keys and reduced together by sum16, as the decode attention does.
 void head_probs_bf16(const uint16_t* q, int G, const uint16_t* k_pool, const int32_t* table, int64_t n, int P,
                      int64_t D, float scale, float* out, int64_t width) {
@@ -111,7 +112,8 @@ void head_probs_bf16(const uint16_t* q, int G, const uint16_t* k_pool, const int
         _mm512_mask_storeu_ps(out + g * width + page * P + c0, live, _mm512_mul_ps(kvh::sum16(dots[g]), scale_v));
     }
   }
-  for (int g = 0; g < G; ++g) {             // the softmax, 16 logits at a time
+  // the softmax need not round as the attention's online one does, only the same way for a row wherever it runs
+  for (int g = 0; g < G; ++g) {
     float* o = out + g * width;
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n; t += 16)
@@ -156,7 +158,10 @@ at::Tensor token_probs(const at::Tensor& q, const at::Tensor& k_pool, const at::
   const int G = static_cast<int>(Hq / Hkv);
   const float sc = static_cast<float>(scale);
 #ifdef KVH_HAVE_AVX512_BF16
-  if (k_pool.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && D % 32 == 0) {
+  // the shapes the decode attention runs on its vdpbf16ps kernel (cpu_attention.h, attend_rows); dots holds
+  // at most kMaxGroup query heads
+  if (k_pool.scalar_type() == at::kBFloat16 && q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128) &&
+      G <= kvh::kMaxGroup) {
     const at::Tensor qb = q.contiguous();
     const uint16_t* qh = reinterpret_cast<const uint16_t*>(qb.data_ptr());
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
