@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from harness.experiments.decode_roofline.bench import measure
 from harness.experiments.decode_roofline.params import Params
-from harness.experiments.decode_roofline.report import write_summary
+from harness.experiments.decode_roofline.report import unsteady, write_summary
 from harness.integrations.assets import model_dir as resolve_model_dir
 from harness.measuring.bandwidth import GIB, stream_read_gbs
 from harness.reporting.summary import cell_envs
@@ -85,6 +85,8 @@ class DecodeRoofline(Experiment[Params]):
                             "contexts >= 16")
         if p.bandwidth_gib <= 0:
             raise UserError("exp.params.bandwidth_gib must be positive (the streaming-read buffer, in GiB)")
+        if not 0 <= p.bandwidth_drift < 1:
+            raise UserError("exp.params.bandwidth_drift must be in [0, 1): the share the bandwidth may move by")
 
     def cells(self, run: Run[Params]) -> list[Cell]:
         p = run.params
@@ -114,9 +116,12 @@ class DecodeRoofline(Experiment[Params]):
                     points.append(r)
                     run.advance(1)
             del engine
-        return {"points": points, "bandwidth_gbs": bandwidth, "bandwidth_after_gbs": stream_read_gbs(
-            int(p.bandwidth_gib * GIB)), "dtype": run.cfg.model.dtype, "model": spec.model_type,
-            "num_layers": spec.num_layers}
+        after = stream_read_gbs(int(p.bandwidth_gib * GIB))
+        warning = unsteady(bandwidth, after, p.bandwidth_drift)
+        if warning:
+            log.warning(warning)
+        return {"points": points, "bandwidth_gbs": bandwidth, "bandwidth_after_gbs": after,
+                "dtype": run.cfg.model.dtype, "model": spec.model_type, "num_layers": spec.num_layers}
 
     def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
         stored = run.stored(KEY)

@@ -22,6 +22,18 @@ def derived(r: dict[str, Any], bandwidth_gbs: float) -> dict[str, Any]:
             / (bandwidth_gbs * 1e9), "rest_ms": max(rest, 0.0)}
 
 
+def unsteady(start_gbs: float, end_gbs: float, limit: float) -> str | None:
+    """Why the run's timings are not a quiet host's, when the bandwidth measured before and after the points moved
+    by more than `limit` of the larger (on a shared host another tenant then used the memory); None when steady."""
+    drift = abs(start_gbs - end_gbs) / max(start_gbs, end_gbs)
+    if drift <= limit:
+        return None
+    return (f"Unsteady host: the streaming read bandwidth moved {100 * drift:.0f} % during this run ({start_gbs:.1f} "
+            f"→ {end_gbs:.1f} GB/s, more than the {100 * limit:g} % accepted), so another tenant used the memory while "
+            "the points were timed: their steps and floor ratios are not comparable with a quiet run's; rerun on a "
+            "quiet host.")
+
+
 def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str, str]:
     p, out_dir = run.params, run.out_dir
     bandwidth = stored["bandwidth_gbs"]
@@ -32,7 +44,9 @@ def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str,
     ref = p.reference if p.reference is not None and p.reference in systems else systems[0]
     machine = machine_class(envs[0]) if envs else "unknown machine"
     summary = run.summary(envs=envs)
-    summary.glance(" ".join(_targets(at, systems, ref, contexts, batches, p.floor_target)), bullets=[
+    warning = unsteady(bandwidth, stored["bandwidth_after_gbs"], p.bandwidth_drift)
+    summary.glance(" ".join(([warning] if warning else []) + _targets(at, systems, ref, contexts, batches,
+                                                                      p.floor_target)), bullets=[
         f"streaming read bandwidth measured in this run: {bandwidth:.1f} GB/s at its start, "
         f"{stored['bandwidth_after_gbs']:.1f} GB/s at its end (best of 7 reads of {p.bandwidth_gib:g} GiB)"])
     summary.table(
