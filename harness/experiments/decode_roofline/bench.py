@@ -76,16 +76,17 @@ def measure(engine: Engine, batch: int, context: int, steps: int, split_steps: i
     kv.device_blocks.reset_peak()
     fill(engine, batch, context, total, noise, gen)
     slots = torch.arange(batch)
-    done = [0]
+    done = 0
 
     def step(clock: Callable[[str], None] | None = None) -> float:
-        done[0] += 1
-        infos = [SeqInfo(s, f"r{s}", context, context + done[0], done[0], total) for s in range(batch)]
+        nonlocal done
+        done += 1
+        infos = [SeqInfo(s, f"r{s}", context, context + done, done, total) for s in range(batch)]
         policy.begin_decode_step(kv, infos)
         kv.take_paused()            # CPU tier copies are synchronous: nothing is ever in flight here
         kv.allocate_decode(slots, kv.decode_blocks_needed(slots))
         ids = torch.randint(3, spec.vocab_size, (batch,), generator=gen)
-        positions = torch.full((batch,), context + done[0] - 1, dtype=torch.long)
+        positions = torch.full((batch,), context + done - 1, dtype=torch.long)
         start = time.perf_counter()
         runner.decode_tokens(ids, positions, slots, infos, clock)
         kv.sync_copies()
@@ -98,26 +99,26 @@ def measure(engine: Engine, batch: int, context: int, steps: int, split_steps: i
         times = [step() for _ in range(steps)]
     meta, h2d = kv.minmax_bytes_read - meta0, kv.bytes_host_to_device - h2d0
     phases = {"select": 0.0, "attention": 0.0}
-    kv_read, counting, layer, mark = 0, 0.0, [0], [0.0]
+    kv_read, counting, layer, mark = 0, 0.0, 0, 0.0
 
     def clock(phase: str) -> None:
-        nonlocal kv_read, counting
+        nonlocal kv_read, counting, layer, mark
         now = time.perf_counter()
         if phase in phases:
-            phases[phase] += now - mark[0]
+            phases[phase] += now - mark
         if phase == "select":
-            kv_read += kv_bytes_read(engine, slots, layer[0], runner.fused.last_selected if runner.fused
+            kv_read += kv_bytes_read(engine, slots, layer, runner.fused.last_selected if runner.fused
                                      else runner.last_selected)
-            layer[0] = (layer[0] + 1) % spec.num_layers
+            layer = (layer + 1) % spec.num_layers
             # counting the bytes is the benchmark's own work: neither the next phase's time nor the step's
             later = time.perf_counter()
             counting += later - now
             now = later
-        mark[0] = now
+        mark = now
 
     split_total = 0.0
     for _ in range(split_steps):
-        mark[0] = time.perf_counter()
+        mark = time.perf_counter()
         split_total += step(clock)
     split_total -= counting
     for slot in range(batch):
