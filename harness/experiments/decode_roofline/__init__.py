@@ -103,10 +103,18 @@ class DecodeRoofline(Experiment[Params]):
 
     def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
         p, (systems, model_dir, spec) = run.params, cell.item
-        bandwidth = stream_read_gbs(int(p.bandwidth_gib * GIB))
-        log.info("streaming read bandwidth: %.1f GB/s", bandwidth)
+        # read before every system and at the end: a shared host's memory can get busy for minutes, and a run
+        # whose reads moved says so (report.unsteady) instead of passing its slower steps off as the engine's
+        samples: list[float] = []
+
+        def sample(when: str) -> float:
+            samples.append(stream_read_gbs(int(p.bandwidth_gib * GIB)))
+            log.info("streaming read bandwidth %s: %.1f GB/s", when, samples[-1])
+            return samples[-1]
+
         points = []
         for system in systems:
+            sample(f"before {system.name}")
             engine = build_engine(run, system, model_dir, spec)
             for context in p.contexts:
                 for batch in p.batch_sizes:
@@ -116,11 +124,12 @@ class DecodeRoofline(Experiment[Params]):
                     points.append(r)
                     run.advance(1)
             del engine
-        after = stream_read_gbs(int(p.bandwidth_gib * GIB))
-        warning = unsteady(bandwidth, after, p.bandwidth_drift)
+        after = sample("at the end")
+        warning = unsteady(samples, p.bandwidth_drift)
         if warning:
             log.warning(warning)
-        return {"points": points, "bandwidth_gbs": bandwidth, "bandwidth_after_gbs": after,
+        return {"points": points, "bandwidth_gbs": samples[0], "bandwidth_after_gbs": after,
+                "bandwidth_samples_gbs": samples,
                 "dtype": run.cfg.model.dtype, "model": spec.model_type, "num_layers": spec.num_layers}
 
     def report(self, run: Run[Params], cells: list[Cell]) -> dict[str, str]:
