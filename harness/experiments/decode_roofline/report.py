@@ -22,18 +22,25 @@ def derived(r: dict[str, Any], bandwidth_gbs: float) -> dict[str, Any]:
             / (bandwidth_gbs * 1e9), "rest_ms": max(rest, 0.0)}
 
 
-def unsteady(samples_gbs: list[float], limit: float) -> str | None:
-    """Why the run's timings are not a quiet host's, when the streaming bandwidth read before each system and at the
-    end moved by more than `limit` of the best read (on a shared host another tenant then used the memory); None
-    when steady."""
+def unsteady(samples_gbs: list[float], limit: float, recheck: dict | None = None) -> str | None:
+    """Why the run's timings are not a quiet host's, or None: the streaming bandwidth read before each system and at
+    the end moved by more than `limit` of the best read (another tenant's memory traffic), or the reference's first
+    point timed again at the end moved by more than `limit` of the slower timing (its compute, too)."""
+    why = []
     low, high = min(samples_gbs), max(samples_gbs)
-    drift = (high - low) / high
-    if drift <= limit:
+    if (high - low) / high > limit:
+        why.append(f"the streaming read bandwidth moved {100 * (high - low) / high:.0f} % ({low:.1f} to {high:.1f} "
+                   f"GB/s over {len(samples_gbs)} reads)")
+    if recheck:
+        a, b = recheck["first_ms"], recheck["again_ms"]
+        if abs(a - b) / max(a, b) > limit:
+            why.append(f"{recheck['system']} at batch {recheck['batch']}, {recheck['context']} tokens took "
+                       f"{a:.1f} ms per step first and {b:.1f} ms when timed again at the end")
+    if not why:
         return None
-    return (f"Unsteady host: the streaming read bandwidth moved {100 * drift:.0f} % during this run ({low:.1f} to "
-            f"{high:.1f} GB/s over {len(samples_gbs)} reads, more than the {100 * limit:g} % accepted), so another "
-            "tenant used the memory while the points were timed: their steps and floor ratios are not comparable "
-            "with a quiet run's; rerun on a quiet host.")
+    return (f"Unsteady host: during this run {' and '.join(why)}, more than the {100 * limit:g} % accepted, so "
+            "another tenant used this machine while the points were timed: their steps and floor ratios are not "
+            "comparable with a quiet run's; rerun on a quiet host.")
 
 
 def bandwidth_reads(stored: dict) -> list[float]:
@@ -52,7 +59,7 @@ def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str,
     ref = p.reference if p.reference is not None and p.reference in systems else systems[0]
     machine = machine_class(envs[0]) if envs else "unknown machine"
     summary = run.summary(envs=envs)
-    warning = unsteady(reads, p.bandwidth_drift)
+    warning = unsteady(reads, p.host_drift, stored.get("recheck"))
     when = "before each system" if len(reads) > 2 else "at its start"
     summary.glance(" ".join(([warning] if warning else []) + _targets(at, systems, ref, contexts, batches,
                                                                       p.floor_target)), bullets=[
