@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from harness.experiments.decode_roofline.bench import measure
 from harness.experiments.decode_roofline.params import Params
-from harness.experiments.decode_roofline.report import unsteady, write_summary
+from harness.experiments.decode_roofline.report import reference_name, unsteady, write_summary
 from harness.integrations.assets import model_dir as resolve_model_dir
 from harness.measuring.bandwidth import GIB, stream_read_gbs
 from harness.reporting.summary import cell_envs
@@ -107,10 +107,9 @@ class DecodeRoofline(Experiment[Params]):
         # whose reads moved says so (report.unsteady) instead of passing its slower steps off as the engine's
         samples: list[float] = []
 
-        def sample(when: str) -> float:
+        def sample(when: str) -> None:
             samples.append(stream_read_gbs(int(p.bandwidth_gib * GIB)))
             log.info("streaming read bandwidth %s: %.1f GB/s", when, samples[-1])
-            return samples[-1]
 
         points = []
         for system in systems:
@@ -125,12 +124,11 @@ class DecodeRoofline(Experiment[Params]):
                     run.advance(1)
             del engine
         recheck = self._recheck(run, systems, points, model_dir, spec)
-        after = sample("at the end")
+        sample("at the end")
         warning = unsteady(samples, p.host_drift, recheck)
         if warning:
             log.warning(warning)
-        return {"points": points, "bandwidth_gbs": samples[0], "bandwidth_after_gbs": after,
-                "bandwidth_samples_gbs": samples, "recheck": recheck,
+        return {"points": points, "bandwidth_samples_gbs": samples, "recheck": recheck,
                 "dtype": run.cfg.model.dtype, "model": spec.model_type, "num_layers": spec.num_layers}
 
     @staticmethod
@@ -139,7 +137,8 @@ class DecodeRoofline(Experiment[Params]):
         """The reference's first point timed again after every system: a host busy for part of the run (another
         tenant's compute as well as its memory traffic) shows as the two timings disagreeing."""
         p = run.params
-        ref = next((s for s in systems if s.name == p.reference), systems[0])
+        name = reference_name(p.reference, [s.name for s in systems])
+        ref = next(s for s in systems if s.name == name)
         first = next((r for r in points if r["system"] == ref.name), None)
         if first is None:
             return None

@@ -48,6 +48,11 @@ def bandwidth_reads(stored: dict) -> list[float]:
     return stored.get("bandwidth_samples_gbs") or [stored["bandwidth_gbs"], stored["bandwidth_after_gbs"]]
 
 
+def reference_name(reference: str | None, systems: list[str]) -> str:
+    """The system every step is compared to: the configured one when it ran, else the first."""
+    return reference if reference is not None and reference in systems else systems[0]
+
+
 def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str, str]:
     p, out_dir = run.params, run.out_dir
     reads = bandwidth_reads(stored)
@@ -56,7 +61,7 @@ def write_summary(run: Run[Params], stored: dict, envs: list[dict]) -> dict[str,
     systems = list(dict.fromkeys(r["system"] for r in rows))
     at = {(r["system"], r["context"], r["batch"]): r for r in rows}
     contexts, batches = sorted({r["context"] for r in rows}), sorted({r["batch"] for r in rows})
-    ref = p.reference if p.reference is not None and p.reference in systems else systems[0]
+    ref = reference_name(p.reference, systems)
     machine = machine_class(envs[0]) if envs else "unknown machine"
     summary = run.summary(envs=envs)
     warning = unsteady(reads, p.host_drift, stored.get("recheck"))

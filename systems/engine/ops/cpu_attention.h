@@ -68,6 +68,27 @@ struct SelectedPages {
 
 #ifdef KVH_HAVE_AVX512_BF16
 
+// q.k of 16 stored keys kp [16, D] (the first nc live) for each of G query heads qv [G][D / 32]: dots[g][t] holds
+// the 16 lane partials of token t (0 past nc), which sum16 reduces together. The decode attention and token_probs
+// both take their logits from here, so an eviction scores tokens by the logits the attention used.
+template <int D>
+inline void chunk_dots_bf16(const __m512bh (*qv)[D / 32], int G, const uint16_t* kp, int nc, __m512 (*dots)[16]) {
+  constexpr int NB = D / 32;
+  for (int t = 0; t < 16; ++t) {
+    if (t < nc) {
+      __m512bh kv[NB];
+      for (int c = 0; c < NB; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + t * D + c * 32);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
+        for (int c = 1; c < NB; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kv[c]);
+        dots[g][t] = a;
+      }
+    } else {
+      for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
+    }
+  }
+}
+
 // bf16 pools on CPUs with AVX512-BF16, 16 tokens at a time: q.k by vdpbf16ps straight from the stored page (the
 // 16 dot products reduced together by sum16), softmax update on one register, p.v by fp32 FMAs. One split of a
 // row: its pages [j0, j1) -> part = {running max [G], sum [G], accumulator [G, D] not yet divided by the sum}.
@@ -112,19 +133,7 @@ void attend_split_bf16(const uint16_t* q, int G, float scale, const uint16_t* k_
       const uint16_t* vp = v_pool + base + static_cast<int64_t>(c0) * D;
       const __mmask16 live = static_cast<__mmask16>((1u << nc) - 1u);
       __m512 dots[kMaxGroup][16];
-      for (int t = 0; t < 16; ++t) {
-        if (t < nc) {
-          __m512bh kv[NB];
-          for (int c = 0; c < NB; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + t * D + c * 32);
-          for (int g = 0; g < G; ++g) {
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kv[0]);
-            for (int c = 1; c < NB; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kv[c]);
-            dots[g][t] = a;
-          }
-        } else {
-          for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
-        }
-      }
+      chunk_dots_bf16<D>(qv, G, kp, nc, dots);
       for (int g = 0; g < G; ++g) {
         const __m512 sc = _mm512_mask_blend_ps(live, neg_inf, _mm512_mul_ps(sum16(dots[g]), scale_v));
         const float chunk_max = _mm512_reduce_max_ps(sc);

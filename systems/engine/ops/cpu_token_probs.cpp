@@ -6,8 +6,8 @@
 // scoring took longer than the model. Here every (row, KV head) is one task: its keys are read in place through
 // its block table, its group's logits and softmax computed in a fixed order, so a row's probabilities depend on
 // neither the other rows, nor the thread count, nor which thread ran it. With AVX512-BF16, bf16 queries and keys,
-// head_dim 64 or 128 and groups of at most 16, the logits take the decode attention kernel's arithmetic (vdpbf16ps
-// over 16 tokens, their lanes reduced together): reducing each token's dot product across its lanes on its own,
+// head_dim 64 or 128 and groups of at most 16, the logits are the decode attention kernel's own (its
+// chunk_dots_bf16: vdpbf16ps over 16 tokens, their lanes reduced together): reducing each token's dot product across its lanes on its own,
 // with a scalar exp per logit, cost as much as the attention that had read those keys.
 //
 // The pooled_victims op is the rest of such an eviction where the scores are pooled along an order of the tokens
@@ -24,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_attention.h"
 #include "cpu_common.h"
 
 namespace {
@@ -73,51 +74,13 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// head_probs for bf16 q [G, D] and keys, D 64 or 128, G <= kMaxGroup: 16 tokens of a page at a time, each query head's dot
-// products by vdpbf16ps straight from the stored keys and reduced together by sum16, as the decode attention does.
-void head_probs_bf16(const uint16_t* q, int G, const uint16_t* k_pool, const int32_t* table, int64_t n, int P,
-                     int64_t D, float scale, float* out, int64_t width) {
-  const int64_t NB = D / 32;
-  const __m512 scale_v = _mm512_set1_ps(scale);
-  __m512 dots[kvh::kMaxGroup][16];
-  for (int64_t page = 0; page * P < n; ++page) {
-    const int valid = static_cast<int>(std::min<int64_t>(P, n - page * P));
-    const uint16_t* base = k_pool + static_cast<int64_t>(table[page]) * P * D;
-    if ((page + 1) * P < n) {     // pages are scattered blocks, beyond the hardware prefetcher: fetch the next one
-      const uint16_t* next = k_pool + static_cast<int64_t>(table[page + 1]) * P * D;
-      const int64_t count = std::min<int64_t>(P, n - (page + 1) * P) * D;
-      for (int64_t off = 0; off < count; off += 32) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
-    }
-    for (int c0 = 0; c0 < valid; c0 += 16) {
-      const int nc = std::min(16, valid - c0);
-      const uint16_t* kp = base + static_cast<int64_t>(c0) * D;
-      const __mmask16 live = static_cast<__mmask16>((1u << nc) - 1u);
-      for (int t = 0; t < 16; ++t) {
-        if (t < nc) {
-          const uint16_t* kt = kp + t * D;
-          for (int g = 0; g < G; ++g) {
-            const uint16_t* qg = q + g * D;
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qg),
-                                        (__m512bh)_mm512_loadu_si512(kt));
-            for (int64_t c = 1; c < NB; ++c)
-              a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + c * 32),
-                                   (__m512bh)_mm512_loadu_si512(kt + c * 32));
-            dots[g][t] = a;
-          }
-        } else {
-          for (int g = 0; g < G; ++g) dots[g][t] = _mm512_setzero_ps();
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        _mm512_mask_storeu_ps(out + g * width + page * P + c0, live, _mm512_mul_ps(kvh::sum16(dots[g]), scale_v));
-    }
-  }
-  // the softmax need not round as the attention's online one does, only the same way for a row wherever it runs
+// softmax_rows 16 lanes at a time: it need not round as the attention's online softmax does, only the same way for
+// a row wherever it runs.
+void softmax_rows16(float* out, int G, int64_t n, int64_t width) {
   for (int g = 0; g < G; ++g) {
     float* o = out + g * width;
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < n; t += 16)
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - t), o + t));
+    for (int64_t t = 0; t < n; t += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(n - t), o + t));
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; t += 16) {
@@ -133,6 +96,31 @@ void head_probs_bf16(const uint16_t* q, int G, const uint16_t* k_pool, const int
     }
     std::fill(o + n, o + width, 0.0f);
   }
+}
+
+// head_probs for bf16 q [G, D] and keys (G <= kMaxGroup): 16 tokens of a page at a time, the logits the decode
+// attention computes (kvh::chunk_dots_bf16, reduced by sum16, then scaled).
+template <int D>
+void head_probs_bf16(const uint16_t* q, int G, const uint16_t* k_pool, const int32_t* table, int64_t n, int P,
+                     float scale, float* out, int64_t width) {
+  constexpr int NB = D / 32;
+  __m512bh qv[kvh::kMaxGroup][NB];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NB; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q + g * D + c * 32);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 dots[kvh::kMaxGroup][16];
+  for (int64_t page = 0; page * P < n; ++page) {
+    const int valid = static_cast<int>(std::min<int64_t>(P, n - page * P));
+    const uint16_t* base = k_pool + static_cast<int64_t>(table[page]) * P * D;
+    for (int c0 = 0; c0 < valid; c0 += 16) {
+      const int nc = std::min(16, valid - c0);
+      kvh::chunk_dots_bf16<D>(qv, G, base + static_cast<int64_t>(c0) * D, nc, dots);
+      for (int g = 0; g < G; ++g)
+        _mm512_mask_storeu_ps(out + g * width + page * P + c0, tail_mask(nc),
+                              _mm512_mul_ps(kvh::sum16(dots[g]), scale_v));
+    }
+  }
+  softmax_rows16(out, G, n, width);
 }
 #endif
 
@@ -166,8 +154,10 @@ at::Tensor token_probs(const at::Tensor& q, const at::Tensor& k_pool, const at::
     const uint16_t* qh = reinterpret_cast<const uint16_t*>(qb.data_ptr());
     const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_pool.data_ptr());
     kvh::parallel_tasks(R * Hkv, [&](auto next) {
-      for (int64_t i; (i = next()) < R * Hkv;)
-        head_probs_bf16(qh + i * G * D, G, kp, tp + i * M, cp[i], P, D, sc, op + i * G * width, width);
+      for (int64_t i; (i = next()) < R * Hkv;) {
+        if (D == 64) head_probs_bf16<64>(qh + i * G * D, G, kp, tp + i * M, cp[i], P, sc, op + i * G * width, width);
+        else head_probs_bf16<128>(qh + i * G * D, G, kp, tp + i * M, cp[i], P, sc, op + i * G * width, width);
+      }
     });
     return out;
   }
