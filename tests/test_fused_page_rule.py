@@ -4,7 +4,8 @@ Two engines run the same requests in lockstep (test_deferred_eviction.lockstep),
 fused C++ step and one asking select_pages between each layer's halves; after every engine step they must hold the
 same logits bits, cache state and MinMax bytes read, and finish with the same tokens and the same kv_stats (pages
 read per head step included), for both of Quest's selection rules, both granularities, with and without dense first
-layers, and over managed layers that are not contiguous.
+layers, and over managed layers that are not contiguous. FlexiCache's rule (its stable heads read the pages they
+hold, its unstable heads their top-K) runs on the steps without tier traffic and must equal its per-layer hooks too.
 """
 import random
 
@@ -14,6 +15,7 @@ import torch
 from systems.base import GenerationRequest
 from systems.engine.ops import cpu_kernels
 from systems.policies import load_policy
+from systems.policies.flexicache import FlexiCache
 from systems.policies.quest import Quest
 from tests.conftest import save_tiny_llama
 from tests.test_deferred_eviction import instrument, lockstep
@@ -44,6 +46,22 @@ def test_rule_in_the_fused_step_equals_select_pages_per_layer(tiny_llama_dir, ru
     assert fused.kv.minmax_bytes_read > 0                                      # some layers did choose pages
     assert flog["decode_page_rule"] > 0 and llog["decode_page_rule"] == 0      # each engine ran its kind of choice
     assert llog["select_pages"] > 0 and flog["select_pages"] < llog["select_pages"]   # (mixed steps: per layer)
+
+
+@pytest.mark.parametrize("unstable", [[[1, 0]], [[0, 0], [0, 1]], []])
+@pytest.mark.parametrize("rerank_interval", [3, 8])
+def test_flexicache_rule_equals_its_hooks_per_layer(tiny_llama_dir, unstable, rerank_interval):
+    # layers with stable heads only, unstable only, and both; the rerank and page-fill steps run per layer in both
+    params = dict(budget=2 * P, rerank_interval=rerank_interval, unstable_heads=unstable)
+    (fused, flog), (layered, llog) = (_instrumented(tiny_llama_dir, params, rules, FlexiCache)
+                                      for rules in (True, False))
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(3, 60),), generator=g).tolist(),
+                                  rng.randint(4, 30), ignore_eos=True, logprob_steps=0) for i in range(6)]
+    lockstep((fused, layered), (flog, llog), requests, [rng.randint(0, 12) for _ in requests])
+    assert flog["decode_page_rule"] > 0 and llog["decode_page_rule"] == 0
+    assert flog["select_pages"] < llog["select_pages"]          # some steps ran whole, the rest per layer
 
 
 class OddLayersQuest(Quest):
@@ -96,5 +114,24 @@ def test_a_bad_rule_fails_before_the_step_changes_the_cache(tiny_llama_dir):
     bad = PageRule(layers=(0, 1), k=[1], heads=torch.tensor([0, 99]), width=10)
     engine.policy.decode_page_rule = lambda kv, step: bad
     with pytest.raises(RuntimeError, match="not a KV head"), torch.inference_mode():
+        engine.runner.fused.logits(torch.tensor([5]), torch.tensor([len(seq.token_ids) - 1]), slots, [seq.info()])
+    assert torch.equal(engine.kv.num_tokens, before[0]) and torch.equal(engine.kv.k_pool, before[1])
+
+
+def test_a_held_rule_narrower_than_its_top_pages_fails_before_the_step(tiny_llama_dir):
+    from systems.policies.view import PageRule
+
+    engine = _engine(tiny_llama_dir, FlexiCache(budget=2 * P, unstable_heads=[[1, 0]]), blocks=100)
+    seq = engine.add_request(GenerationRequest("r", list(range(3, 40)), 8, ignore_eos=True))
+    engine.step()
+    seq.token_ids.append(5)
+    slots = torch.tensor([seq.slot])
+    engine.kv.allocate_decode(slots, engine.kv.decode_blocks_needed(slots))
+    before = engine.kv.num_tokens.clone(), engine.kv.k_pool.clone()
+    held = torch.full((2, 1, 2, 1), -1, dtype=torch.long)          # one column where layer 1's top needs two
+    bad = PageRule(layers=(0, 1), k=[2], heads=torch.arange(2), width=10, ranked=False, held=held,
+                   held_widths=(1, 1), scored=engine.policy.unstable)
+    engine.policy.decode_page_rule = lambda kv, step: bad
+    with pytest.raises(RuntimeError, match="held width"), torch.inference_mode():
         engine.runner.fused.logits(torch.tensor([5]), torch.tensor([len(seq.token_ids) - 1]), slots, [seq.info()])
     assert torch.equal(engine.kv.num_tokens, before[0]) and torch.equal(engine.kv.k_pool, before[1])

@@ -2,7 +2,8 @@
 
 A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call, and so do
 one whose page choice is a rule stated as data (`decode_page_rule`: the call runs it between each layer's append and
-attention, then hands the chosen sets to `pages_chosen`) and one that evicts once per step (`after_decode_step`, run
+attention, then hands the chosen sets to `pages_chosen`; a policy whose after_append has work on some steps only,
+as FlexiCache's tier copies, answers a rule on the others) and one that evicts once per step (`after_decode_step`, run
 after the call, with each layer's q kept by it when the policy scores with them): nothing reads a layer's cache
 between its attention and the end of a fused step, so its eviction then sees and does exactly what its per-layer
 `after_append` would have. A policy with other decode-time hooks gets, per layer, `decode_layer_in` (norm, QKV,
@@ -91,7 +92,10 @@ class FusedDecode:
         Policy's no-op decode hooks, state a page rule, or evict once per step, run the whole stack in one call)."""
         policy = type(self.policy)
         chooses = policy.select_pages is not Policy.select_pages and not self.page_rule
-        return chooses or (policy.after_append is not Policy.after_append and not self.deferred)
+        # a rule's steps are ones where after_append has nothing to do (Policy.decode_page_rule): it runs per layer
+        # on the steps the policy answers no rule for
+        evicts = policy.after_append is not Policy.after_append and not self.deferred and not self.page_rule
+        return chooses or evicts
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],
                clock: Callable[[str], None] | None = None, probe: PositionProbe | None = None) -> torch.Tensor:
@@ -158,8 +162,8 @@ class FusedDecode:
         kv = self.kv
         shape = rule.sets_shape(batch)
         chosen = torch.full((len(self.layers), *shape), -1, dtype=torch.long)
-        kv.minmax_bytes_read += len(rule.layers) * batch * shape[1] * rule.width * kv.minmax_bytes_per_page
+        kv.minmax_bytes_read += rule.scored_sets() * batch * rule.width * kv.minmax_bytes_per_page
         covered = set(rule.layers)
         flags = [int(layer in covered) for layer in range(len(self.layers))]
         return chosen, [chosen, flags, rule.heads, torch.tensor(rule.k, dtype=torch.long), rule.width, rule.ranked,
-                        rule.keep_last]
+                        rule.keep_last, rule.held, list(rule.held_widths), rule.scored]

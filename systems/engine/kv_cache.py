@@ -284,10 +284,11 @@ class TieredKVCache(TierCopies, WindowRelease):
                                   self.num_tokens[:, layer], self.page_size, k, keep_last, slots,
                                   self._heads if heads is None else heads)
 
-    def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+    def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None,
+                       appending: int = 0) -> torch.Tensor:
         table = self.block_table[slots, layer] if heads is None else self.block_table[slots, layer][:, heads]
         counts = self.num_tokens[slots, layer] if heads is None else self.num_tokens[slots, layer][:, heads]
-        return self.ops.resident_pages(table, -(-counts.long() // self.page_size))
+        return self.ops.resident_pages(table, -(-(counts.long() + appending) // self.page_size))
 
     # ---- KVView: eviction ----------------------------------------------------------------------------------------
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:

@@ -257,7 +257,8 @@ class Policy:
         step instead of calling select_pages per layer: do now the bookkeeping select_pages would have done on every
         managed layer of this step (the chosen sets then reach pages_chosen). Called once, before the forward, with
         step.q None. None (default): the engine calls select_pages per layer. A policy that overrides it keeps
-        select_pages, which the engine's other paths call, and the two must choose the same pages."""
+        select_pages, which the engine's other paths call, and the two must choose the same pages. A policy with an
+        after_append answers None on the steps where that hook would do anything: a rule's step runs no hook."""
         return None
 
     def pages_chosen(self, kv: KVView, step: DecodeLayers, rule: PageRule, chosen: torch.Tensor) -> None:

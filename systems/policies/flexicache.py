@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from systems.policies.base import DecodeStep, KVDims, KVView, Policy, SeqInfo, block_bytes
+from systems.policies.base import DecodeLayers, DecodeStep, KVDims, KVView, PageRule, Policy, SeqInfo, block_bytes
 from systems.policy_support import profiles, selection
 
 
@@ -104,6 +104,7 @@ class FlexiCache(Policy):
         self._unstable_heads = [row.nonzero().view(-1) for row in self.unstable]
         # select_pages stacks [stable heads, unstable heads]; this gathers them back into head order
         self._head_order = [torch.cat([s, u]).argsort() for s, u in zip(self._stable_heads, self._unstable_heads)]
+        self._kv_heads = torch.arange(dims.num_kv_heads, device=dims.device)
 
     def bind(self, kv: KVView) -> None:
         super().bind(kv)
@@ -114,6 +115,7 @@ class FlexiCache(Policy):
         self._stats: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, tuple] = {}
         self._held: dict[int, tuple] = {}         # layer -> (batch key, stable heads' resident pages)
+        self._rule_sets: tuple | None = None      # (batch key, held [L, B, Hkv, W], widths) for decode_page_rule
 
     def _unstable_list(self, kv: KVDims) -> tuple[list[tuple[int, int]], str]:
         if self.unstable_heads is not None:
@@ -154,7 +156,7 @@ class FlexiCache(Policy):
         return {"unstable_heads": [[layer, h] for layer in range(num_layers) for h in range(per_layer)]}
 
     def reset(self, slot: int) -> None:
-        self._held.clear()
+        self._forget()
         self._stats[slot] = {"promoted_pages": 0, "released_pages": 0, "offloaded_pages": 0, "reranks": 0,
                              "head_reranks": 0, "topk_pages_reranked": 0, "copy_time_s": 0.0,
                              "promoted_per_step": [], "_step": -1}
@@ -164,7 +166,7 @@ class FlexiCache(Policy):
         stable = self._stable_heads[layer]
         if stable.numel() == 0:
             return
-        self._held.pop(layer, None)
+        self._forget(layer)
         slot, P = seq.slot, kv.page_size
         n = int(kv.num_tokens[slot, layer, 0])
         n_pages, full = -(-n // P), n // P
@@ -191,7 +193,7 @@ class FlexiCache(Policy):
         first, full = (seq.seq_len - n) // P, seq.seq_len // P          # pages filled by these tokens
         if stable.numel() == 0 or full <= first:
             return
-        self._held.pop(layer, None)
+        self._forget(layer)
         hh = stable.repeat_interleave(full - first)
         pp = torch.arange(first, full, device=kv.device).repeat(stable.numel())
         fresh = kv.host_table[seq.slot, layer, hh, pp] == 0
@@ -206,7 +208,7 @@ class FlexiCache(Policy):
         if src not in self._stats:
             self.reset(dst)
             return
-        self._held.clear()
+        self._forget()
         self._stats[dst] = {key: list(v) if isinstance(v, list) else v for key, v in self._stats[src].items()}
 
     @staticmethod
@@ -219,6 +221,42 @@ class FlexiCache(Policy):
         if self.naive:
             return list(range(len(seqs)))
         return [b for b, s in enumerate(seqs) if s.decode_step == 1 or s.decode_step % self.rerank_interval == 0]
+
+    def decode_page_rule(self, kv: KVView, step: DecodeLayers) -> PageRule | None:
+        """A step with no tier traffic (no rerank, no page just filled: after_append has nothing to do) as a rule:
+        stable heads read the device pages they hold, unstable heads their top-K, scored inside the fused step.
+        Other steps (one in R per sequence, and one in page_size) run layer by layer."""
+        P, K, B = kv.page_size, self.top_k, len(step.seqs)
+        width = -(-max(seq.seq_len for seq in step.seqs) // P)
+        if any(seq.seq_len % P == 0 for seq in step.seqs) or (width > K and self._reranks(step.seqs)):
+            return None
+        if width <= K:                                                # nothing was released: every page is read
+            return PageRule(layers=(), k=[K] * B, heads=self._kv_heads, width=width, ranked=False)
+        key = tuple((seq.slot, -(-seq.seq_len // P)) for seq in step.seqs)
+        if self._rule_sets is None or self._rule_sets[0] != key:
+            self._rule_sets = (key, *self._held_sets(kv, step.slots, step.seqs, min(K, width)))
+        _, held, widths = self._rule_sets
+        return PageRule(layers=tuple(self.managed_layers), k=[K] * B, heads=self._kv_heads, width=width,
+                        ranked=False, keep_last=True, held=held, held_widths=widths, scored=self.unstable)
+
+    def _held_sets(self, kv: KVView, slots: torch.Tensor, seqs: list[SeqInfo],
+                   top: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """[L, B, Hkv, W] and each layer's width: what select_pages answers at each managed layer on a step without
+        rerank, with the unstable heads' rows PAD where their `top` pages go: the widths select_pages' sets have, so
+        the attention reads the same sets."""
+        widths, rows = [], []
+        for layer in range(self.num_layers):
+            stable, unstable = self._stable_heads[layer], self._unstable_heads[layer]
+            managed = stable.numel() and self.manages(layer)
+            resident = self._resident(kv, slots, seqs, layer, stable, appending=1) if managed else None
+            widths.append(max(resident.shape[-1] if resident is not None else 0, top if unstable.numel() else 0, 1))
+            rows.append((stable, resident))
+        held = torch.full((self.num_layers, len(seqs), kv.num_kv_heads, max(widths)), selection.PAD,
+                          dtype=torch.long, device=kv.device)
+        for layer, (stable, resident) in enumerate(rows):
+            if resident is not None:
+                held[layer, :, stable, :resident.shape[-1]] = resident
+        return held, tuple(widths)
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         layer, slots, K = step.layer, step.slots, self.top_k
@@ -237,7 +275,7 @@ class FlexiCache(Policy):
         # reranks); unstable heads hold everything and read their top-K, reranked every step
         parts = []
         if stable.numel():
-            parts.append((stable, self._resident(kv, step, stable)))
+            parts.append((stable, self._resident(kv, slots, step.seqs, layer, stable)))
         if unstable.numel():
             parts.append((unstable, kv.top_pages(slots, layer, self._group_q(kv, step.q, unstable), K,
                                                  keep_last=True, heads=unstable, width=width)))
@@ -247,16 +285,26 @@ class FlexiCache(Policy):
         padded = [torch.nn.functional.pad(p, (0, W - p.shape[-1]), value=selection.PAD) for _, p in parts]
         return torch.cat(padded, dim=1).index_select(1, self._head_order[layer])    # back to head order
 
-    def _resident(self, kv: KVView, step: DecodeStep, stable: torch.Tensor) -> torch.Tensor:
-        """The stable heads' device pages. They change only at a rerank swap, a prefill or when a sequence starts a
-        page, so the list is kept per layer and rebuilt when the batch (slots, pages held) differs or a swap ran."""
+    def _resident(self, kv: KVView, slots: torch.Tensor, seqs: list[SeqInfo], layer: int, stable: torch.Tensor,
+                  appending: int = 0) -> torch.Tensor:
+        """The stable heads' device pages once the step's token is in (`appending`: 1 before its append). They change
+        only at a rerank swap, a prefill or when a sequence starts a page, so the list is kept per layer and rebuilt
+        when the batch (slots, pages held) differs or a swap ran."""
         P = kv.page_size
-        key = tuple((seq.slot, -(-seq.seq_len // P)) for seq in step.seqs)
-        held = self._held.get(step.layer)
+        key = tuple((seq.slot, -(-seq.seq_len // P)) for seq in seqs)
+        held = self._held.get(layer)
         if held is None or held[0] != key:
-            held = (key, kv.resident_pages(step.slots, step.layer, heads=stable))
-            self._held[step.layer] = held
+            held = (key, kv.resident_pages(slots, layer, heads=stable, appending=appending))
+            self._held[layer] = held
         return held[1]
+
+    def _forget(self, layer: int | None = None) -> None:
+        """Drop the kept resident lists (one layer's, or all) after their pages moved; the rule's sets with them."""
+        if layer is None:
+            self._held.clear()
+        else:
+            self._held.pop(layer, None)
+        self._rule_sets = None
 
     @staticmethod
     def _group_q(kv: KVView, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
@@ -290,7 +338,7 @@ class FlexiCache(Policy):
 
     def _apply_rerank(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, top: torch.Tensor) -> None:
         """The reranked rows' stable heads: the new top-K (the last page among it) against what they hold now."""
-        self._held.pop(step.layer, None)
+        self._forget(step.layer)
         heads = self._stable_heads[step.layer]
         num_pages = selection.pages_of(kv.num_tokens[step.slots[rows], step.layer][:, heads], kv.page_size)
         M = int(num_pages.max())

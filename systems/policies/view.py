@@ -105,10 +105,24 @@ class PageRule:
     width: int                  # pages scored per head (the most any sequence of the step holds)
     ranked: bool = True         # best first, ties to the lower page; False: top_pages' ascending sets
     keep_last: bool = True      # top_pages only: the last page always read
+    # Sets partly held rather than scored (top_pages, one set per KV head): at each of `layers` every KV head reads
+    # its row of held[layer] [B, Hkv, held_widths[layer]] (PAD-padded), except the heads scored[layer] marks, whose
+    # top k[0] pages fill the front of their rows (held there: PAD, the width at least theirs)
+    held: torch.Tensor | None = None          # [L, B, Hkv, W] int64
+    held_widths: tuple[int, ...] = ()         # per layer
+    scored: torch.Tensor | None = None        # [L, Hkv] bool
 
     def sets_shape(self, batch: int) -> tuple[int, int, int]:
-        """[B, sets, K] of one layer's answer."""
+        """[B, sets, K] of one layer's answer (beside held sets: K is held's, a narrower layer's rows end in PAD)."""
+        if self.held is not None:
+            return batch, self.heads.numel(), self.held.shape[-1]
         return batch, self.heads.numel(), min(max(self.k) if self.ranked else self.k[0], self.width)
+
+    def scored_sets(self) -> int:
+        """Page sets the rule scores over a step, summed over its layers (what its MinMax reads scale with)."""
+        if self.scored is not None:
+            return int(self.scored[list(self.layers)].sum())
+        return len(self.layers) * self.heads.numel()
 
 
 class KVDims(Protocol):
@@ -188,9 +202,12 @@ class KVView(KVDims, Protocol):
         order, padded with -1. keep_last: each head's last page plus its k - 1 best other pages (every page when it
         holds <= k); otherwise the k best pages excluding the last. Ties may resolve either way."""
 
-    def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None) -> torch.Tensor:
+    def resident_pages(self, slots: torch.Tensor, layer: int, heads: torch.Tensor | None = None,
+                       appending: int = 0) -> torch.Tensor:
         """The logical pages each listed head holds on the device: [B, H, W] int64, ascending, padded with -1 (W =
-        the longest list, at least 1) — a select_pages answer for heads that read everything they hold."""
+        the longest list, at least 1) — a select_pages answer for heads that read everything they hold. `appending`:
+        as they will hold once that many more tokens are appended (their pages already reserved), for a page rule
+        stated before the step's append."""
 
     def keep_tokens(self, slot: int, layer: int, keep: list[torch.Tensor]) -> None:
         """Evict for good: head h keeps only the storage indices keep[h] (1-D int, ascending, unique), compacted into

@@ -81,24 +81,45 @@ at::Tensor layer_mlp(at::Tensor& h, const at::Tensor& attn, const at::Tensor& wo
 // A decode step's page rule: at each layer it covers, every listed page set (`heads`: the KV head each set scores,
 // one set per KV head or one per query head) reads the pages the Quest bound of its query chooses over the first
 // `width` pages: ranked, the k[b] best best-first (ranked_pages); otherwise the top k[0] ascending, the last page
-// kept when keep_last (top_pages). The sets go to chosen[layer], where the caller reads them after the step.
+// kept when keep_last (top_pages). With `held` (top pages only): every KV head reads its row of held[layer]
+// [B, Hkv, widths[layer]], except the heads scored[layer] marks, whose top pages fill the front of their (padded)
+// rows; FlexiCache's stable heads read the pages they hold while its unstable heads rerank. The sets go to
+// chosen[layer], where the caller reads them after the step.
 struct PageRule {
   at::Tensor chosen, heads, k, slots;
   std::vector<int64_t> layers;     // 1 where the rule chooses, per layer from `first`
   int64_t width = 0;
   bool ranked = true, keep_last = false;
+  at::Tensor held, scored;          // [L, B, Hkv, W] int64 and [L, Hkv] bool, or undefined
+  std::vector<int64_t> held_widths;  // per layer from `first`
 
   bool covers(int64_t layer, int64_t first) const {
     return !layers.empty() && layers[static_cast<size_t>(layer - first)] != 0;
   }
 
-  at::Tensor choose(const at::Tensor& q, const Storage& st, int64_t layer) const {
+  at::Tensor choose(const at::Tensor& q, const Storage& st, int64_t layer, int64_t first) const {
     const at::Tensor lo = st.kmin.select(1, layer).narrow(2, 0, width);
     const at::Tensor hi = st.kmax.select(1, layer).narrow(2, 0, width);
     const at::Tensor counts = st.num_tokens.select(1, layer);
+    at::Tensor out = chosen.select(0, layer);
+    if (held.defined()) {
+      at::Tensor sel = held.select(0, layer).narrow(2, 0, held_widths[static_cast<size_t>(layer - first)]).clone();
+      const at::Tensor own = scored.select(0, layer).nonzero().view(-1);
+      if (own.numel()) {
+        const int64_t B = q.size(0), G = q.size(1) / st.Hkv;
+        const at::Tensor q_own = q.reshape({B, st.Hkv, G, -1}).index_select(1, own).reshape({B, own.numel() * G, -1});
+        const at::Tensor top =
+            top_pages(q_own, lo, hi, counts, st.P, k.data_ptr<int64_t>()[0], keep_last, slots, own);
+        TORCH_CHECK(top.size(2) <= sel.size(2), "decode_layers: a held row is narrower than its head's top pages");
+        const int64_t* hp = own.data_ptr<int64_t>();
+        for (int64_t j = 0; j < own.numel(); ++j)
+          sel.select(1, hp[j]).narrow(1, 0, top.size(2)).copy_(top.select(1, j));
+      }
+      out.narrow(2, 0, sel.size(2)).copy_(sel);
+      return sel;
+    }
     at::Tensor sel = ranked ? ranked_pages(q, lo, hi, pages_from_tokens(counts, st.P, slots, heads), slots, heads, k)
                             : top_pages(q, lo, hi, counts, st.P, k.data_ptr<int64_t>()[0], keep_last, slots, heads);
-    at::Tensor out = chosen.select(0, layer);
     TORCH_CHECK(sel.sizes() == out.sizes(), "decode_layers: chosen [L, B, sets, K] must fit the rule's page sets");
     out.copy_(sel);
     return sel;
@@ -173,7 +194,9 @@ at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tens
 // layer's sliding window (0: none). queries: [L, B, Hq, D] in the model dtype, or none; row `layer` receives that
 // layer's post-RoPE q (a deferred eviction scores with it after the step). A page rule (see PageRule) is given by
 // chosen [L, B, sets, K] int64, rule_layers (1 per layer it covers, empty: none), rule_heads [sets], rule_k [B]
-// int64, rule_width, rule_ranked and keep_last; the covered layers attend over exactly the sets it wrote.
+// int64, rule_width, rule_ranked and keep_last, and for a rule beside held sets rule_held [L, B, Hkv, W],
+// rule_held_widths (per layer from `first`) and rule_scored [L, Hkv]; the covered layers attend over exactly the
+// sets it wrote.
 // Returns the last layer's delta (h updated).
 at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at::TensorList weights,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
@@ -183,7 +206,9 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
                          at::IntArrayRef windows, const c10::optional<at::Tensor>& queries,
                          const c10::optional<at::Tensor>& chosen, at::IntArrayRef rule_layers,
                          const c10::optional<at::Tensor>& rule_heads, const c10::optional<at::Tensor>& rule_k,
-                         int64_t rule_width, bool rule_ranked, bool keep_last) {
+                         int64_t rule_width, bool rule_ranked, bool keep_last,
+                         const c10::optional<at::Tensor>& rule_held, at::IntArrayRef rule_held_widths,
+                         const c10::optional<at::Tensor>& rule_scored) {
   check_rows(h, delta);
   TORCH_CHECK(!queries.has_value() || (queries->dim() == 4 && queries->size(0) >= last &&
                                        queries->scalar_type() == h.scalar_type()),
@@ -212,11 +237,33 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
     for (int64_t j = 0; j < heads.numel(); ++j)
       TORCH_CHECK(hp[j] >= 0 && hp[j] < st.Hkv, "decode_layers: a rule's head is not a KV head");
     TORCH_CHECK(heads.numel() > 0 && num_q_heads % heads.numel() == 0 && chosen->size(1) == h.size(0) &&
-                chosen->size(2) == heads.numel() &&
-                chosen->size(3) == std::min(rule_ranked ? k_most : kp[0], rule_width),
-                "decode_layers: chosen must be [L, B, sets, min(K, width)] for the rule's sets");
+                chosen->size(2) == heads.numel(), "decode_layers: chosen must be [L, B, sets, K] for the rule's sets");
     rule = PageRule{*chosen, heads, *rule_k, slots,
                     std::vector<int64_t>(rule_layers.begin(), rule_layers.end()), rule_width, rule_ranked, keep_last};
+    if (!rule_held.has_value()) {
+      TORCH_CHECK(chosen->size(3) == std::min(rule_ranked ? k_most : kp[0], rule_width),
+                  "decode_layers: chosen must be [L, B, sets, min(K, width)] for the rule's sets");
+    } else {
+      const at::Tensor& held = *rule_held;
+      TORCH_CHECK(!rule_ranked && heads.numel() == st.Hkv && rule_scored.has_value() &&
+                      static_cast<int64_t>(rule_held_widths.size()) == last - first,
+                  "decode_layers: held sets are top pages, one set per KV head, with widths and scored heads");
+      TORCH_CHECK(held.scalar_type() == at::kLong && held.dim() == 4 && held.size(0) >= last &&
+                      held.size(1) == h.size(0) && held.size(2) == st.Hkv && held.size(3) <= chosen->size(3) &&
+                      rule_scored->scalar_type() == at::kBool && rule_scored->dim() == 2 &&
+                      rule_scored->size(0) >= last && rule_scored->size(1) == st.Hkv,
+                  "decode_layers: held [L, B, Hkv, W] int64 (W within chosen), scored [L, Hkv] bool");
+      const int64_t top = std::min(kp[0], rule_width);
+      for (int64_t i = 0; i < last - first; ++i) {
+        const int64_t w = rule_held_widths[static_cast<size_t>(i)];
+        const bool any = rule_scored->select(0, first + i).any().item<bool>();
+        TORCH_CHECK(!rule.covers(first + i, first) || (w >= (any ? top : 1) && w <= held.size(3)),
+                    "decode_layers: a held width below its scored heads' top pages or beyond held");
+      }
+      rule.held = held.contiguous();
+      rule.scored = rule_scored->contiguous();
+      rule.held_widths.assign(rule_held_widths.begin(), rule_held_widths.end());
+    }
   }
   std::vector<float> wide;
   at::Tensor d = delta.has_value() ? *delta : at::Tensor();
@@ -228,7 +275,7 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
       at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
                                  num_q_heads, eps, wide);
       if (queries.has_value()) queries->select(0, layer).copy_(q);
-      const at::Tensor sel = rule.covers(layer, first) ? rule.choose(q, st, layer) : at::Tensor();
+      const at::Tensor sel = rule.covers(layer, first) ? rule.choose(q, st, layer, first) : at::Tensor();
       d = layer_mlp<T>(h, attend_pages<T>(q, sel, st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6],
                        intermediate, eps, wide);
     }
@@ -270,7 +317,8 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
         "Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, Tensor(f!) kmax, "
         "Tensor slots, int first, int last, int num_q_heads, int intermediate, float eps, float scale, int[] windows, "
         "Tensor(g!)? queries=None, Tensor(h!)? chosen=None, int[] rule_layers=[], Tensor? rule_heads=None, "
-        "Tensor? rule_k=None, int rule_width=0, bool rule_ranked=True, bool keep_last=False) -> Tensor",
+        "Tensor? rule_k=None, int rule_width=0, bool rule_ranked=True, bool keep_last=False, Tensor? rule_held=None, "
+        "int[] rule_held_widths=[], Tensor? rule_scored=None) -> Tensor",
         &decode_layers);
   m.def("decode_logits(Tensor(a!) h, Tensor? delta, Tensor norm, Tensor lm_head, int vocab, float eps) -> Tensor",
         &decode_logits);
