@@ -49,19 +49,25 @@ def test_rule_in_the_fused_step_equals_select_pages_per_layer(tiny_llama_dir, ru
 
 
 @pytest.mark.parametrize("unstable", [[[1, 0]], [[0, 0], [0, 1]], []])
-@pytest.mark.parametrize("rerank_interval", [3, 8])
-def test_flexicache_rule_equals_its_hooks_per_layer(tiny_llama_dir, unstable, rerank_interval):
-    # layers with stable heads only, unstable only, and both; the rerank and page-fill steps run per layer in both
-    params = dict(budget=2 * P, rerank_interval=rerank_interval, unstable_heads=unstable)
+@pytest.mark.parametrize("rerank_interval,naive", [(3, False), (8, False), (3, True)])
+def test_flexicache_rule_equals_its_hooks_per_layer(tiny_llama_dir, unstable, rerank_interval, naive):
+    # layers with stable heads only, unstable only, and both; the reranks and host copies a rule's step does after
+    # its last layer (pages_chosen) must move the same pages into the same blocks as the per-layer hooks
+    params = dict(budget=2 * P, rerank_interval=rerank_interval, naive=naive, unstable_heads=unstable)
     (fused, flog), (layered, llog) = (_instrumented(tiny_llama_dir, params, rules, FlexiCache)
                                       for rules in (True, False))
+    held_rules = []
+    stated = fused.policy.decode_page_rule
+    fused.policy.decode_page_rule = lambda kv, step: held_rules.append(stated(kv, step)) or held_rules[-1]
     rng = random.Random(5)
     g = torch.Generator().manual_seed(5)
     requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(3, 60),), generator=g).tolist(),
                                   rng.randint(4, 30), ignore_eos=True, logprob_steps=0) for i in range(6)]
-    lockstep((fused, layered), (flog, llog), requests, [rng.randint(0, 12) for _ in requests])
-    assert flog["decode_page_rule"] > 0 and llog["decode_page_rule"] == 0
-    assert flog["select_pages"] < llog["select_pages"]          # some steps ran whole, the rest per layer
+    out, _ = lockstep((fused, layered), (flog, llog), requests, [rng.randint(0, 12) for _ in requests])
+    assert any(rule.held is not None for rule in held_rules)                # steps beyond K pages ran as rules
+    assert flog["select_pages"] < llog["select_pages"]                      # select_pages: mixed steps only
+    assert sum(seq.kv_stats["reranks"] for seq in out) > 0                  # stable heads reranked and promoted
+    assert sum(seq.kv_stats["promoted_pages"] for seq in out) > 0
 
 
 class OddLayersQuest(Quest):
@@ -118,7 +124,8 @@ def test_a_bad_rule_fails_before_the_step_changes_the_cache(tiny_llama_dir):
     assert torch.equal(engine.kv.num_tokens, before[0]) and torch.equal(engine.kv.k_pool, before[1])
 
 
-def test_a_held_rule_narrower_than_its_top_pages_fails_before_the_step(tiny_llama_dir):
+@pytest.mark.parametrize("page,width,error", [(-1, 1, "held width"), (999, 2, "held page outside")])
+def test_a_bad_held_rule_fails_before_the_step(tiny_llama_dir, page, width, error):
     from systems.policies.view import PageRule
 
     engine = _engine(tiny_llama_dir, FlexiCache(budget=2 * P, unstable_heads=[[1, 0]]), blocks=100)
@@ -128,10 +135,11 @@ def test_a_held_rule_narrower_than_its_top_pages_fails_before_the_step(tiny_llam
     slots = torch.tensor([seq.slot])
     engine.kv.allocate_decode(slots, engine.kv.decode_blocks_needed(slots))
     before = engine.kv.num_tokens.clone(), engine.kv.k_pool.clone()
-    held = torch.full((2, 1, 2, 1), -1, dtype=torch.long)          # one column where layer 1's top needs two
+    # one column where layer 1's top needs two, or a page no head can hold
+    held = torch.full((2, 1, 2, width), page, dtype=torch.long)
     bad = PageRule(layers=(0, 1), k=[2], heads=torch.arange(2), width=10, ranked=False, held=held,
-                   held_widths=(1, 1), scored=engine.policy.unstable)
+                   held_widths=(width, width), scored=engine.policy.unstable)
     engine.policy.decode_page_rule = lambda kv, step: bad
-    with pytest.raises(RuntimeError, match="held width"), torch.inference_mode():
+    with pytest.raises(RuntimeError, match=error), torch.inference_mode():
         engine.runner.fused.logits(torch.tensor([5]), torch.tensor([len(seq.token_ids) - 1]), slots, [seq.info()])
     assert torch.equal(engine.kv.num_tokens, before[0]) and torch.equal(engine.kv.k_pool, before[1])

@@ -2,8 +2,8 @@
 
 A policy that reads every page and evicts nothing at decode time gets the whole layer stack in one call, and so do
 one whose page choice is a rule stated as data (`decode_page_rule`: the call runs it between each layer's append and
-attention, then hands the chosen sets to `pages_chosen`; a policy whose after_append has work on some steps only,
-as FlexiCache's tier copies, answers a rule on the others) and one that evicts once per step (`after_decode_step`, run
+attention, then hands the chosen sets to `pages_chosen`, which also does the after-attention work after_append would
+have done: FlexiCache's reranks and tier copies) and one that evicts once per step (`after_decode_step`, run
 after the call, with each layer's q kept by it when the policy scores with them): nothing reads a layer's cache
 between its attention and the end of a fused step, so its eviction then sees and does exactly what its per-layer
 `after_append` would have. A policy with other decode-time hooks gets, per layer, `decode_layer_in` (norm, QKV,
@@ -92,8 +92,7 @@ class FusedDecode:
         Policy's no-op decode hooks, state a page rule, or evict once per step, run the whole stack in one call)."""
         policy = type(self.policy)
         chooses = policy.select_pages is not Policy.select_pages and not self.page_rule
-        # a rule's steps are ones where after_append has nothing to do (Policy.decode_page_rule): it runs per layer
-        # on the steps the policy answers no rule for
+        # a rule's step runs no after_append: pages_chosen does that work after the step (Policy.decode_page_rule)
         evicts = policy.after_append is not Policy.after_append and not self.deferred and not self.page_rule
         return chooses or evicts
 
@@ -115,7 +114,7 @@ class FusedDecode:
             whole = rule is not None
         if whole:
             deferred, queries = self.deferred, None
-            if deferred and self.policy.step_queries:
+            if (deferred or rule is not None) and self.policy.step_queries:
                 queries = torch.empty(len(self.layers), len(infos), nq, spec.head_dim, dtype=model.dtype)
             chosen, rule_args = self._rule_args(rule, len(infos))
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
@@ -127,7 +126,7 @@ class FusedDecode:
                                   self.windows[layer] or None)
             if rule is not None:
                 self.last_selected = chosen[-1] if len(self.layers) - 1 in covered else None
-                self.policy.pages_chosen(kv, DecodeLayers(slots=slots, seqs=infos, q=None), rule, chosen)
+                self.policy.pages_chosen(kv, DecodeLayers(slots=slots, seqs=infos, q=queries), rule, chosen)
             if deferred:
                 self.policy.after_decode_step(kv, DecodeLayers(slots=slots, seqs=infos, q=queries))
         else:

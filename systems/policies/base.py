@@ -257,14 +257,16 @@ class Policy:
         step instead of calling select_pages per layer: do now the bookkeeping select_pages would have done on every
         managed layer of this step (the chosen sets then reach pages_chosen). Called once, before the forward, with
         step.q None. None (default): the engine calls select_pages per layer. A policy that overrides it keeps
-        select_pages, which the engine's other paths call, and the two must choose the same pages. A policy with an
-        after_append answers None on the steps where that hook would do anything: a rule's step runs no hook."""
+        select_pages, which the engine's other paths call, and the two must choose the same pages. A rule's step
+        runs no after_append: a policy with one does its work in pages_chosen, which runs after the step's last
+        layer, when nothing has read a layer's cache since its attention (so each layer's work sees what its
+        after_append would have seen; with `step_queries`, step.q carries each layer's query)."""
         return None
 
     def pages_chosen(self, kv: KVView, step: DecodeLayers, rule: PageRule, chosen: torch.Tensor) -> None:
         """After a step run by decode_page_rule's rule: chosen [L, B, sets, K] holds at each of rule.layers the sets
         select_pages would have answered there (rows of other layers are unspecified; an empty tensor when the rule
-        covers no layer)."""
+        covers no layer). Also where a rule's step does what after_append would have done, layer by layer."""
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         """After decode attention of step.layer: decode-time eviction through kv.drop_tokens / keep_tokens."""

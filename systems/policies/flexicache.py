@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -45,6 +45,7 @@ class FlexiCache(Policy):
     naive: bool = False               # rerank every head every step
 
     name = "flexicache"
+    step_queries: ClassVar[bool] = True   # a fused step's reranks (pages_chosen) score with each layer's query
     profile_schema = ("model", "task", "K", "W", "page_size", "num_layers", "num_kv_heads", "unstable_heads",
                       "head_stats")
     profiler = "head_stability"
@@ -222,55 +223,64 @@ class FlexiCache(Policy):
             return list(range(len(seqs)))
         return [b for b, s in enumerate(seqs) if s.decode_step == 1 or s.decode_step % self.rerank_interval == 0]
 
-    def decode_page_rule(self, kv: KVView, step: DecodeLayers) -> PageRule | None:
-        """A step with no tier traffic (no rerank, no page just filled: after_append has nothing to do) as a rule:
-        stable heads read the device pages they hold, unstable heads their top-K, scored inside the fused step.
-        Other steps (one in R per sequence, and one in page_size) run layer by layer."""
-        P, K, B = kv.page_size, self.top_k, len(step.seqs)
-        width = -(-max(seq.seq_len for seq in step.seqs) // P)
-        if any(seq.seq_len % P == 0 for seq in step.seqs) or (width > K and self._reranks(step.seqs)):
-            return None
+    def decode_page_rule(self, kv: KVView, step: DecodeLayers) -> PageRule:
+        """Stable heads read the device pages they hold, unstable heads their top-K scored in the fused step."""
+        K, B = self.top_k, len(step.seqs)
+        width = _width(kv, step.seqs)
         if width <= K:                                                # nothing was released: every page is read
             return PageRule(layers=(), k=[K] * B, heads=self._kv_heads, width=width, ranked=False)
-        key = tuple((seq.slot, -(-seq.seq_len // P)) for seq in step.seqs)
+        key = _batch_key(kv, step.seqs)
         if self._rule_sets is None or self._rule_sets[0] != key:
-            self._rule_sets = (key, *self._held_sets(kv, step.slots, step.seqs, min(K, width)))
+            self._rule_sets = (key, *self._held_sets(kv, step.slots, step.seqs, K))
         _, held, widths = self._rule_sets
         return PageRule(layers=tuple(self.managed_layers), k=[K] * B, heads=self._kv_heads, width=width,
                         ranked=False, keep_last=True, held=held, held_widths=widths, scored=self.unstable)
 
+    def pages_chosen(self, kv: KVView, step: DecodeLayers, rule: PageRule, chosen: torch.Tensor) -> None:
+        """What select_pages' reranks and after_append do at each managed layer, in the per-layer hooks' order: each
+        layer's cache and MinMax bounds are still what its hooks would have seen (step.q: its queries)."""
+        assert step.q is not None
+        width = _width(kv, step.seqs)
+        reranks = width > self.top_k and self._reranks(step.seqs)
+        if not reranks and all(seq.seq_len % kv.page_size for seq in step.seqs):     # no tier traffic (most steps)
+            return
+        for layer in self.managed_layers:
+            layer_step = DecodeStep(layer=layer, slots=step.slots, seqs=step.seqs, q=step.q[layer])
+            self._score_rerank(kv, layer_step, width)
+            self.after_append(kv, layer_step)
+
     def _held_sets(self, kv: KVView, slots: torch.Tensor, seqs: list[SeqInfo],
                    top: int) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """[L, B, Hkv, W] and each layer's width: what select_pages answers at each managed layer on a step without
-        rerank, with the unstable heads' rows PAD where their `top` pages go: the widths select_pages' sets have, so
-        the attention reads the same sets."""
-        widths, rows = [], []
-        for layer in range(self.num_layers):
-            stable, unstable = self._stable_heads[layer], self._unstable_heads[layer]
-            managed = stable.numel() and self.manages(layer)
-            resident = self._resident(kv, slots, seqs, layer, stable, appending=1) if managed else None
-            widths.append(max(resident.shape[-1] if resident is not None else 0, top if unstable.numel() else 0, 1))
-            rows.append((stable, resident))
+        """[L, B, Hkv, W] and each layer's width: what select_pages answers at each managed layer, with the unstable
+        heads' rows PAD where their `top` pages go: the widths select_pages' sets have, so attention reads the same."""
+        stable = self._stable_heads
+        resident = [self._resident(kv, slots, seqs, layer, stable[layer], appending=1)
+                    if stable[layer].numel() and self.manages(layer) else None for layer in range(self.num_layers)]
+        widths = tuple(max(r.shape[-1] if r is not None else 0, top if self._unstable_heads[layer].numel() else 0, 1)
+                       for layer, r in enumerate(resident))
         held = torch.full((self.num_layers, len(seqs), kv.num_kv_heads, max(widths)), selection.PAD,
                           dtype=torch.long, device=kv.device)
-        for layer, (stable, resident) in enumerate(rows):
-            if resident is not None:
-                held[layer, :, stable, :resident.shape[-1]] = resident
-        return held, tuple(widths)
+        for layer, r in enumerate(resident):
+            if r is not None:
+                held[layer][:, stable[layer], :r.shape[-1]] = r
+        return held, widths
+
+    def _score_rerank(self, kv: KVView, step: DecodeStep, width: int) -> None:
+        """The reranked rows' stable heads: their next top-K, applied by after_append (after the layer's attention)."""
+        stable, rows = self._stable_heads[step.layer], self._reranks(step.seqs)
+        if width > self.top_k and rows and stable.numel():
+            r = torch.tensor(rows, device=kv.device)
+            top = kv.top_pages(step.slots[r], step.layer, self._group_q(kv, step.q[r], stable), self.top_k,
+                               keep_last=True, heads=stable, width=width)
+            self._pending[step.layer] = (r, top)
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
         layer, slots, K = step.layer, step.slots, self.top_k
-        # nothing is dropped, so every head of a sequence holds its seq_len tokens (no device sync to know it)
-        width = -(-max(seq.seq_len for seq in step.seqs) // kv.page_size)
+        width = _width(kv, step.seqs)
         if width <= K:                                                # nothing was released: every page is read
             return None
         stable, unstable = self._stable_heads[layer], self._unstable_heads[layer]
-        rows = self._reranks(step.seqs)
-        if rows and stable.numel():                                   # stable heads: the next step's top-K
-            r = torch.tensor(rows, device=kv.device)
-            top = kv.top_pages(slots[r], layer, self._group_q(kv, step.q[r], stable), K, keep_last=True,
-                               heads=stable, width=width)
-            self._pending[layer] = (r, top)
+        self._score_rerank(kv, step, width)                           # stable heads: the next step's top-K
         # stable heads read what they hold on the device (their top-K and the pages filled since, no scoring between
         # reranks); unstable heads hold everything and read their top-K, reranked every step
         parts = []
@@ -290,8 +300,7 @@ class FlexiCache(Policy):
         """The stable heads' device pages once the step's token is in (`appending`: 1 before its append). They change
         only at a rerank swap, a prefill or when a sequence starts a page, so the list is kept per layer and rebuilt
         when the batch (slots, pages held) differs or a swap ran."""
-        P = kv.page_size
-        key = tuple((seq.slot, -(-seq.seq_len // P)) for seq in seqs)
+        key = _batch_key(kv, seqs)
         held = self._held.get(layer)
         if held is None or held[0] != key:
             held = (key, kv.resident_pages(slots, layer, heads=stable, appending=appending))
@@ -393,6 +402,16 @@ class FlexiCache(Policy):
                                                + self.window_blocks(tokens)) * self.bytes_per_block,
                      minmax_bytes=self.num_layers * self.num_kv_heads * pages * self.minmax_bytes_per_page)
         return stats
+
+
+def _width(kv: KVView, seqs: list[SeqInfo]) -> int:
+    """Pages the longest sequence holds (nothing is dropped: every head holds seq_len tokens, no device sync)."""
+    return -(-max(seq.seq_len for seq in seqs) // kv.page_size)
+
+
+def _batch_key(kv: KVView, seqs: list[SeqInfo]) -> tuple:
+    """What the stable heads' device pages depend on between swaps: each sequence's slot and pages."""
+    return tuple((seq.slot, -(-seq.seq_len // kv.page_size)) for seq in seqs)
 
 
 POLICY = FlexiCache

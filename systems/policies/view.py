@@ -96,8 +96,9 @@ class PageRule:
     """A decode step's page choice stated as data, for an engine that runs it inside its own step instead of calling
     `select_pages` between a layer's halves (Policy.decode_page_rule). At each layer in `layers`, the sets are what
     KVView.ranked_pages(slots, layer, q, k, heads, width) returns (ranked) or KVView.top_pages(slots, layer, q, k[0],
-    keep_last, heads, width) (not ranked), for that layer's queries after the new token's append; every other layer
-    reads all it holds. Running the rule must equal select_pages answering those sets at those layers."""
+    keep_last, heads, width) (not ranked), for that layer's queries after the new token's append, or beside `held`
+    sets, those sets with the scored heads' top pages in front; every other layer reads all it holds. Running the
+    rule must equal select_pages answering those sets at those layers."""
 
     layers: tuple[int, ...]     # the layers whose pages the rule chooses, ascending
     k: list[int]                # pages per head of each sequence of the step, in order (top: all equal)

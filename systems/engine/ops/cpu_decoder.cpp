@@ -90,8 +90,9 @@ struct PageRule {
   std::vector<int64_t> layers;     // 1 where the rule chooses, per layer from `first`
   int64_t width = 0;
   bool ranked = true, keep_last = false;
-  at::Tensor held, scored;          // [L, B, Hkv, W] int64 and [L, Hkv] bool, or undefined
-  std::vector<int64_t> held_widths;  // per layer from `first`
+  at::Tensor held;                    // [L, B, Hkv, W] int64, or undefined
+  std::vector<int64_t> held_widths;   // per layer from `first`
+  std::vector<at::Tensor> scored;     // per layer from `first`: the KV heads whose top pages replace their held rows
 
   bool covers(int64_t layer, int64_t first) const {
     return !layers.empty() && layers[static_cast<size_t>(layer - first)] != 0;
@@ -104,7 +105,7 @@ struct PageRule {
     at::Tensor out = chosen.select(0, layer);
     if (held.defined()) {
       at::Tensor sel = held.select(0, layer).narrow(2, 0, held_widths[static_cast<size_t>(layer - first)]).clone();
-      const at::Tensor own = scored.select(0, layer).nonzero().view(-1);
+      const at::Tensor& own = scored[static_cast<size_t>(layer - first)];
       if (own.numel()) {
         const int64_t B = q.size(0), G = q.size(1) / st.Hkv;
         const at::Tensor q_own = q.reshape({B, st.Hkv, G, -1}).index_select(1, own).reshape({B, own.numel() * G, -1});
@@ -253,15 +254,17 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
                       rule_scored->scalar_type() == at::kBool && rule_scored->dim() == 2 &&
                       rule_scored->size(0) >= last && rule_scored->size(1) == st.Hkv,
                   "decode_layers: held [L, B, Hkv, W] int64 (W within chosen), scored [L, Hkv] bool");
+      TORCH_CHECK(held.numel() == 0 || (held.min().item<int64_t>() >= -1 && held.max().item<int64_t>() < st.M),
+                  "decode_layers: a held page outside [0, the pages a head can hold) and PAD (-1)");
       const int64_t top = std::min(kp[0], rule_width);
       for (int64_t i = 0; i < last - first; ++i) {
         const int64_t w = rule_held_widths[static_cast<size_t>(i)];
-        const bool any = rule_scored->select(0, first + i).any().item<bool>();
-        TORCH_CHECK(!rule.covers(first + i, first) || (w >= (any ? top : 1) && w <= held.size(3)),
+        rule.scored.push_back(rule_scored->select(0, first + i).nonzero().view(-1));
+        TORCH_CHECK(!rule.covers(first + i, first) || (w >= (rule.scored.back().numel() ? top : 1) &&
+                                                       w <= held.size(3)),
                     "decode_layers: a held width below its scored heads' top pages or beyond held");
       }
       rule.held = held.contiguous();
-      rule.scored = rule_scored->contiguous();
       rule.held_widths.assign(rule_held_widths.begin(), rule_held_widths.end());
     }
   }
