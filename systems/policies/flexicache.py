@@ -110,8 +110,7 @@ class FlexiCache(Policy):
     def bind(self, kv: KVView) -> None:
         super().bind(kv)
         self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
-        elem = kv.k_pool.element_size()
-        self.bytes_per_block = block_bytes(kv.page_size, kv.head_dim, elem)
+        self.bytes_per_block = block_bytes(kv.page_size, kv.head_dim, kv.k_pool.element_size())
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
         self._stats: dict[int, dict[str, Any]] = {}
         self._pending: dict[int, tuple] = {}
@@ -140,8 +139,10 @@ class FlexiCache(Policy):
         return settled + transient + self.window_prefill_blocks(prompt_len)
 
     def expected_device_blocks(self, prompt_len: int, output_tokens: int) -> int | None:
+        return self._analytic_blocks(prompt_len + output_tokens - 1)
+
+    def _analytic_blocks(self, tokens: int) -> int:
         """Unstable heads hold every page; stable heads their top-K pages, the partial last one among them."""
-        tokens = prompt_len + output_tokens - 1
         pages = -(-tokens // self.page_size)
         n_unstable = int(self._unstable_cpu.sum())
         n_stable = self.num_managed * self.num_kv_heads - n_unstable
@@ -309,10 +310,7 @@ class FlexiCache(Policy):
 
     def _forget(self, layer: int | None = None) -> None:
         """Drop the kept resident lists (one layer's, or all) after their pages moved; the rule's sets with them."""
-        if layer is None:
-            self._held.clear()
-        else:
-            self._held.pop(layer, None)
+        self._held.clear() if layer is None else self._held.pop(layer, None)
         self._rule_sets = None
 
     @staticmethod
@@ -388,19 +386,17 @@ class FlexiCache(Policy):
         stats = super().kv_stats(kv, seq)
         st = {k: v for k, v in self._stats.get(seq.slot, {}).items() if not k.startswith("_")}
         tokens = int(kv.num_tokens[seq.slot].max())
-        pages = -(-tokens // kv.page_size)
         n_unstable = int(self.unstable.sum())
-        n_stable = self.num_managed * self.num_kv_heads - n_unstable
         st["bytes_host_to_device"] = st.get("promoted_pages", 0) * self.bytes_per_block
         st["bytes_device_to_host"] = st.get("offloaded_pages", 0) * self.bytes_per_block
         st["promoted_share_of_topk"] = (st["promoted_pages"] / st["topk_pages_reranked"]
                                         if st.get("topk_pages_reranked") else None)
         stats.update(st, budget_tokens=self.budget, top_k=self.top_k, naive=self.naive,
-                     unstable_heads=n_unstable, stable_heads=n_stable, profile=self.profile_source,
-                     device_kv_bytes=stats["device_pages"] * self.bytes_per_block,
-                     analytic_device_kv_bytes=(n_unstable * pages + n_stable * min(pages, self.top_k)
-                                               + self.window_blocks(tokens)) * self.bytes_per_block,
-                     minmax_bytes=self.num_layers * self.num_kv_heads * pages * self.minmax_bytes_per_page)
+                     unstable_heads=n_unstable, stable_heads=self.num_managed * self.num_kv_heads - n_unstable,
+                     profile=self.profile_source, device_kv_bytes=stats["device_pages"] * self.bytes_per_block,
+                     analytic_device_kv_bytes=self._analytic_blocks(tokens) * self.bytes_per_block,
+                     minmax_bytes=self.num_layers * self.num_kv_heads * -(-tokens // kv.page_size)
+                     * self.minmax_bytes_per_page)
         return stats
 
 
