@@ -45,6 +45,11 @@ class Live:
     done: bool = False          # finished, failed or aborted: nothing more will be posted
 
 
+def _deliver(batch: list[tuple[Live, tuple]]) -> None:
+    for live, event in batch:
+        live.events.put_nowait(event)
+
+
 class EngineLoop:
     """The loop that drives the engine; all engine access happens on the thread that runs it."""
 
@@ -100,10 +105,20 @@ class EngineLoop:
         return len(self.engine.scheduler.running)
 
     def _post(self, live: Live, event: tuple) -> None:
-        try:
-            live.loop.call_soon_threadsafe(live.events.put_nowait, event)
-        except RuntimeError:      # the HTTP loop is gone (shutdown): nobody is listening
-            pass
+        self._post_all([(live, event)])
+
+    @staticmethod
+    def _post_all(posts: list[tuple[Live, tuple]]) -> None:
+        """Hand a step's events to their HTTP loops, one wake-up per loop: each call_soon_threadsafe wakes that loop's
+        thread, which then contends for the GIL and a core with this one while the step's parallel work waits."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Live, tuple]]] = {}
+        for live, event in posts:
+            by_loop.setdefault(live.loop, []).append((live, event))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:      # the HTTP loop is gone (shutdown): nobody is listening
+                pass
 
     def _run(self) -> None:
         while not self._stop:
@@ -117,8 +132,9 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                for live in list(self._live.values()):
-                    self._post(live, ("error", self.last_error))
+                failed = list(self._live.values())
+                self._post_all([(live, ("error", self.last_error)) for live in failed])
+                for live in failed:
                     self._drop(live)
                 continue
             self._publish()
@@ -143,12 +159,13 @@ class EngineLoop:
             self._live[live.request.request_id] = live
 
     def _publish(self) -> None:
+        posts: list[tuple[Live, tuple]] = []
         for rid, live in list(self._live.items()):
             seq = live.seq
             assert seq is not None          # only admitted requests are live
             if seq.finish_reason == "error":     # failed alone: its error goes to its client only
                 self.last_error = seq.error
-                self._post(live, ("error", seq.error))
+                posts.append((live, ("error", seq.error)))
                 del self._live[rid]
                 continue
             n = seq.num_output_tokens
@@ -158,10 +175,11 @@ class EngineLoop:
                 entries = self._entries(live, seq, n)
                 prompt = seq.prompt_logprobs if live.sent == 0 and live.request.prompt_logprobs is not None else None
                 live.sent = n
-                self._post(live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None,
-                                  entries, prompt))
+                posts.append((live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None,
+                                     entries, prompt)))
             if finished:
                 del self._live[rid]
+        self._post_all(posts)
 
     @staticmethod
     def _entries(live: Live, seq: Sequence, n: int) -> list[Entry] | None:

@@ -54,3 +54,18 @@ def test_trace_reads_the_busy_end_of_its_window_alone():
     assert 0.2 < whole.cores_busy < 0.85
     assert end.cores_busy > 0.6 and end.cores_busy > whole.cores_busy + 0.15 and 0.5 <= end.wall_s < 0.7
     assert meter.usage_of_last(60.0).cpu_s == whole.cpu_s      # longer than the window: all of it
+
+
+def test_trace_reads_the_span_between_two_instants_on_the_monotonic_clock():
+    """usage_between takes the snapshots just outside [start, end]: a busy second after an idle 0.6 s reads close
+    to a core, its window holds the span and exceeds it by at most one sampling period at each side."""
+    with CpuTrace(every_s=0.05) as meter:
+        time.sleep(0.6)
+        start = time.perf_counter()
+        _spin(time.time() + 1.0)
+        end = time.perf_counter()
+        time.sleep(0.3)
+    span = meter.usage_between(start, end)
+    assert 1.0 <= span.wall_s <= 1.0 + 2 * 0.05 + 0.05
+    assert span.cores_busy > 0.6 and span.cores_busy > meter.usage.cores_busy + 0.2
+    assert meter.usage_between(start - 60, end + 60).cpu_s == meter.usage.cpu_s     # beyond the window: all of it

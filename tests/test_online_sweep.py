@@ -165,13 +165,19 @@ def test_vllm_bench_client_measures_the_engine_server_beside_the_harness_client(
     cmd = [sys.executable, "-m", "harness", "+exp=online_sweep", "exp.systems=[dense]",
            f"model.path={tiny_llama_dir}", "model.max_model_len=2048", "model.max_input_tokens=1000",
            "exp.params.rates=[4]", "exp.params.num_prompts=4", "exp.params.input_len=64", "exp.params.output_len=8",
-           "exp.params.clients=[harness,vllm_bench]", f"results_dir={tmp_path}", "progress=false"]
+           "exp.params.clients=[harness,vllm_bench]", "exp.params.repeats=2", f"results_dir={tmp_path}",
+           "progress=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = list(csv.DictReader(open(tmp_path / "online_sweep" / "rates.csv")))
-    assert sorted(r["client"] for r in table) == ["harness client", "vllm bench serve"]
+    assert sorted((r["client"], r["round"]) for r in table) == [("harness client", "1"), ("harness client", "2"),
+                                                                ("vllm bench serve", "1"), ("vllm bench serve", "2")]
     assert all(int(r["completed"]) == 4 and float(r["mean_tpot_ms"]) > 0 for r in table)
-    assert "Do the two clients agree?" in (tmp_path / "online_sweep" / "summary.md").read_text()
+    assert all(0 < float(r["cores_busy"]) <= 2.05 for r in table)
+    md = (tmp_path / "online_sweep" / "summary.md").read_text()
+    assert "Do the two clients agree?" in md and "a two-level bootstrap" in md
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)      # every round on disk: no server
+    assert again.returncode == 0 and "starting its server" not in again.stdout + again.stderr
 
 
 def test_client_agreement_compares_mean_tpots_with_an_interval():
@@ -181,4 +187,43 @@ def test_client_agreement_compares_mean_tpots_with_an_interval():
             {"system": "s", "request_rate": 1.0, "client": "vllm bench serve", "request_tpots_ms": [30.0, 31, 32, 33]},
             {"system": "t", "request_rate": 1.0, "client": "harness client", "request_tpots_ms": [10.0, 20, 30]}]
     (row,) = client_agreement(rows)
-    assert row[:2] == ["s", 1.0] and row[-1] == "no" and row[4].startswith("-20.0 [")
+    assert row[:2] == ["s", 1.0] and row[-1] == "no" and row[6].startswith("-20.0 [")
+
+
+def test_repeated_rounds_pool_per_client_and_judge_agreement_against_the_run_to_run_spread():
+    """Two rounds per client: the lines use the mean over rounds, a rate counts as completed only when every round
+    completed it, and the clients' difference is judged against how far each client's own rounds moved. The same
+    3 ms gap between the clients is a disagreement when each client repeats itself exactly, and within the noise
+    when one client's two rounds are 10 ms apart."""
+    from harness.experiments.online_sweep.report import client_agreement, pooled
+
+    def row(client, round_, tpots, completed=4, cores=1.5):
+        return {"system": "s", "request_rate": 2.0, "client": client, "round": round_, "request_tpots_ms": tpots,
+                "mean_tpot_ms": sum(tpots) / len(tpots), "completed": completed, "duration": 5.0 + round_,
+                "cores_busy": cores}
+
+    steady = [row("harness client", 1, [50.0, 51, 52, 53]), row("vllm bench serve", 1, [53.0, 54, 55, 56]),
+              row("harness client", 2, [50.0, 51, 52, 53], completed=3, cores=1.7),
+              row("vllm bench serve", 2, [53.0, 54, 55, 56])]
+    (h, v) = pooled(steady)
+    assert (h["rounds"], h["completed"], h["duration"]) == (2, 3, 7.0)
+    assert h["cores_busy"] == pytest.approx(1.6) and h["mean_tpot_ms"] == pytest.approx(51.5)
+    assert len(h["request_tpots_ms"]) == 8 and h["round_tpots"][0] == [50.0, 51, 52, 53]
+    (agree,) = client_agreement(pooled(steady))
+    assert agree[3] == "51.5 / 51.5" and agree[6].startswith("-3.0 [") and agree[-1] == "no"
+    drifting = [*steady[:2], row("harness client", 2, [60.0, 61, 62, 63]), steady[3]]
+    (agree,) = client_agreement(pooled(drifting))
+    assert agree[3] == "51.5 / 61.5" and agree[-1] == "yes"
+
+
+def test_in_flight_span_runs_from_the_first_request_sent_to_the_last_response():
+    from harness.experiments.online_sweep.rates import in_flight, measurements
+
+    detail = {"start_times": [10.0, 10.5, 11.0], "latencies": [2.0, 3.0, 0.0], "errors": ["", "", "timeout"]}
+    assert in_flight({}, detail) == (10.0, 13.5)         # the failed third request ends nothing
+    # `vllm bench serve` keeps its latencies in the summary
+    assert in_flight({"latencies": [1.0, 1.0]}, {"start_times": [5.0, 6.0]}) == (5.0, 7.0)
+    assert in_flight({}, {"start_times": [], "latencies": []}) is None
+    p = online_sweep.Params(rates=[1.0, 2.0], repeats=2, clients=["harness", "vllm_bench"])
+    assert measurements(p)[:4] == [(1.0, 1, "harness"), (1.0, 1, "vllm_bench"), (1.0, 2, "harness"),
+                                   (1.0, 2, "vllm_bench")]

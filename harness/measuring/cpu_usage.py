@@ -128,9 +128,10 @@ def _usage(before: dict[tuple[int, int], int], after: dict[tuple[int, int], int]
 
 
 class CpuTrace(CpuMeter):
-    """A CpuMeter that also snapshots the tree every `every_s` seconds, so that the last part of its window can be
-    read afterwards (`usage_of_last`): for a load client that is a program of its own, whose start-up (imports,
-    tokenizer) must not count as the server's idle time and which alone reports how long its load ran."""
+    """A CpuMeter that also snapshots the tree every `every_s` seconds, so that part of its window can be read
+    afterwards (`usage_between`, `usage_of_last`): for a load whose own start-up (a client's imports, its tokenizer,
+    the wait for the first arrival) must not count as the server's idle time and whose client alone knows when its
+    requests were in flight."""
 
     def __init__(self, root: int | None = None, exclude: frozenset[int] = frozenset(), every_s: float = 0.25):
         super().__init__(root, exclude)
@@ -156,6 +157,15 @@ class CpuTrace(CpuMeter):
         after, self._allowed, self._processes = self._snapshot()
         self._trace.append((end, after))
         self.usage = _usage(self._before, after, end - self._t0, self._allowed, self._processes)
+
+    def usage_between(self, start: float, end: float) -> CpuUsage:
+        """What the tree used from the last snapshot at or before `start` to the first at or after `end` (times on
+        time.perf_counter's clock, which is CLOCK_MONOTONIC and so shared with other processes): a window that holds
+        [start, end] and exceeds it by at most one sampling period at each side."""
+        first, *_ = self._trace
+        before = next(((t, ticks) for t, ticks in reversed(self._trace) if t <= start), first)
+        after = next(((t, ticks) for t, ticks in self._trace if t >= end), self._trace[-1])
+        return _usage(before[1], after[1], after[0] - before[0], self._allowed, self._processes)
 
     def usage_of_last(self, seconds: float) -> CpuUsage:
         """What the tree used from the last snapshot taken at least `seconds` before the window's end (the whole

@@ -22,10 +22,12 @@ RUNNER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentPar
 
 def bench_serve(url: str, model: str, tokenizer_dir: Path, *, rate: float, num_prompts: int, input_len: int,
                 output_len: int, burstiness: float, seed: int, work_dir: Path, percentiles: list[float],
-                timeout_s: float) -> dict[str, Any]:
-    """Run `vllm bench serve` once; returns its --save-result record (latencies in ms) with per-request TPOTs."""
+                timeout_s: float, name: str | None = None) -> dict[str, Any]:
+    """Run `vllm bench serve` once; returns its --save-result record (latencies in ms) with per-request TPOTs. `name`
+    names its record and log in work_dir (default: vllm_bench_rate_<rate>)."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    name = f"vllm_bench_rate_{rate:g}.json"
+    stem = name or f"vllm_bench_rate_{rate:g}"
+    record_file = f"{stem}.json"
     cmd = [sys.executable, "-c", RUNNER, "--backend", "openai",
            "--base-url", url, "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer_dir),
            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
@@ -33,15 +35,15 @@ def bench_serve(url: str, model: str, tokenizer_dir: Path, *, rate: float, num_p
            "--burstiness", f"{burstiness:g}", "--seed", str(seed), "--ignore-eos", "--temperature", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", ",".join(f"{q:g}" for q in sorted({50.0, *percentiles})),
-           "--save-result", "--save-detailed", "--result-dir", str(work_dir), "--result-filename", name,
+           "--save-result", "--save-detailed", "--result-dir", str(work_dir), "--result-filename", record_file,
            "--disable-tqdm"]
-    log = work_dir / f"vllm_bench_rate_{rate:g}.log"
+    log = work_dir / f"{stem}.log"
     with open(log, "wb") as sink:
         done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s)
     if done.returncode != 0:
         tail = log.read_text(errors="replace")[-1500:]
         raise RuntimeError(f"vllm bench serve exited with {done.returncode}; log {log}:\n{tail}")
-    record = json.loads((work_dir / name).read_text())
+    record = json.loads((work_dir / record_file).read_text())
     record["tpots_ms"] = request_tpots_ms(record)
     return record
 

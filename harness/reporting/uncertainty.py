@@ -130,6 +130,38 @@ def unpaired_difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
     return Estimate(float(x.mean() - y.mean()), low, high, int(min(x.size, y.size)))
 
 
+def clustered_difference(a_rounds: Sequence[Sequence[float]], b_rounds: Sequence[Sequence[float]]) -> Estimate:
+    """mean(a) − mean(b) where each side is several runs (rounds) of samples that share their run's conditions (the
+    requests of one load run share its host and batches): a two-level bootstrap draws runs with replacement, then
+    samples within each drawn run, so the interval holds the run-to-run spread as well as the samples' own. With
+    two runs a side it still understates that spread (a bootstrap over k runs sees (k − 1) / k of their variance).
+    n is the smaller side's sample count."""
+    a = [_array(r) for r in a_rounds if len(r)]
+    b = [_array(r) for r in b_rounds if len(r)]
+    if not a or not b:
+        return NAN
+    value = float(np.concatenate(a).mean() - np.concatenate(b).mean())
+    n = int(min(sum(x.size for x in a), sum(x.size for x in b)))
+    if min(len(a), len(b)) < 2:
+        return Estimate(value, math.nan, math.nan, n)
+    rng = np.random.default_rng(SEED)
+
+    def resampled_means(runs: list[np.ndarray]) -> np.ndarray:
+        picks = rng.integers(0, len(runs), size=(N_RESAMPLES, len(runs)))
+        sums, counts = np.zeros(N_RESAMPLES), np.zeros(N_RESAMPLES)
+        for j, run in enumerate(runs):      # every run drawn in a resample gets its own draw of its samples
+            draws = (picks == j).sum(axis=1)
+            for k in range(1, int(draws.max(initial=0)) + 1):
+                rows = np.flatnonzero(draws >= k)
+                sums[rows] += run[rng.integers(0, run.size, size=(rows.size, run.size))].sum(axis=1)
+                counts[rows] += run.size
+        return sums / counts
+
+    diffs = resampled_means(a) - resampled_means(b)
+    alpha = (1 - CONFIDENCE) / 2
+    return Estimate(value, float(np.quantile(diffs, alpha)), float(np.quantile(diffs, 1 - alpha)), n)
+
+
 def stratified(units: Sequence[tuple[Sequence[float] | np.ndarray, ...]],
                statistic: Callable[[list[tuple[np.ndarray, ...]]], np.ndarray]) -> tuple[float, float, float]:
     """Point and percentile interval of `statistic` over several units of paired samples.

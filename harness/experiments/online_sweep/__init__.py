@@ -15,7 +15,7 @@ import importlib.util
 from omegaconf import DictConfig
 
 from harness.experiments.online_sweep.params import Params
-from harness.experiments.online_sweep.rates import CLIENTS, essay_windows, key_of, rate_path, sweep
+from harness.experiments.online_sweep.rates import CLIENTS, essay_windows, key_of, measurements, rate_path, sweep
 from harness.experiments.online_sweep.report import focus_line as focus_line  # re-export: tests read it here
 from harness.experiments.online_sweep.report import write_summary
 from harness.measuring.loadgen import PROCESSES, arrival_times
@@ -41,7 +41,7 @@ def check(cfg: DictConfig, cells: list[GridCell], p: Params) -> None:
         raise UserError(f"online_sweep: {exc} (exp.params.rates/process/burstiness/goodput)") from None
     if p.process not in PROCESSES:
         raise UserError(f"online_sweep: process {p.process!r} unknown; use one of {list(PROCESSES)}")
-    for key in ("num_prompts", "input_len", "output_len", "max_seconds"):
+    for key in ("num_prompts", "input_len", "output_len", "max_seconds", "repeats"):
         if getattr(p, key) <= 0:
             raise UserError(f"online_sweep: exp.params.{key}={getattr(p, key)!r} must be a positive number")
     if p.input_len + p.output_len > cfg.model.max_model_len:
@@ -79,10 +79,13 @@ class OnlineSweep(Experiment[Params]):
         """Complete when its metrics list exactly these rates and every rate's measurements are on disk."""
         p = run.params
         return (store.is_complete(cell.config_yaml()) and store.metrics().get("rates") == p.rates
-                and all(rate_path(store, r, c).is_file() for r in p.rates for c in p.clients))
+                and store.metrics().get("repeats", 1) == p.repeats
+                and all(rate_path(store, r, c, k).is_file() for r, k, c in measurements(p)))
 
     def plan_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> int:
-        return sum(all(rate_path(store, r, c).is_file() for c in run.params.clients) for r in run.params.rates)
+        p = run.params
+        return sum(all(rate_path(store, at, c, k).is_file() for at, k, c in measurements(p) if at == r)
+                   for r in p.rates)
 
     def run_cell(self, run: Run[Params], cell: Cell, store: CellStore) -> dict:
         p, ws = run.params, run.workspace

@@ -26,6 +26,9 @@ class Params(GridParams):
     # (`vllm bench serve`, its random dataset: the same random-token prompts for every server at a given seed)
     clients: list[str] = field(default_factory=lambda: ["harness"])
     startup_timeout_s: float = 600
+    # rounds per rate: each round runs every client in turn, so the clients' agreement is judged against how far one
+    # client's own figures move between rounds on the same server (run-to-run noise), not its requests' spread alone
+    repeats: int = 1
     # the at-a-glance comparison: `focus`'s TPOT against each of `versus` at the highest rate versus[0] sustains
     focus: Optional[str] = None
     versus: list[str] = field(default_factory=list)

@@ -61,8 +61,26 @@ def key_of(cell: GridCell, p: Params) -> str:
 CLIENTS = {"harness": "harness client", "vllm_bench": "vllm bench serve"}
 
 
-def rate_path(store: CellStore, rate: float, client: str = "harness") -> Path:
-    return store.root / (f"rate_{rate:g}.json" if client == "harness" else f"rate_{rate:g}_{client}.json")
+def rate_path(store: CellStore, rate: float, client: str = "harness", round_: int = 1) -> Path:
+    """One round of one rate measured by one client (round 1 keeps the name a sweep without repeats writes)."""
+    tail = ("" if client == "harness" else f"_{client}") + ("" if round_ == 1 else f"_round{round_}")
+    return store.root / f"rate_{rate:g}{tail}.json"
+
+
+def measurements(p: Params) -> list[tuple[float, int, str]]:
+    """(rate, round, client) in the order they run: per rate, its rounds, each round every client in turn, so a
+    drift of the shared host lands on both clients alike and the repeats show how much one client's figures move."""
+    return [(r, k, c) for r in p.rates for k in range(1, p.repeats + 1) for c in p.clients]
+
+
+def in_flight(summary: dict, detail: dict) -> tuple[float, float] | None:
+    """(first request sent, last response ended) on the monotonic clock both clients time with (perf_counter), or
+    None when no request completed."""
+    latencies = detail.get("latencies") or summary.get("latencies") or []
+    spans = [(s, s + lat) for s, lat, err in zip(detail.get("start_times") or [], latencies,
+                                                 detail.get("errors") or [""] * len(latencies))
+             if not err and lat and lat > 0]
+    return (min(s for s, _ in spans), max(e for _, e in spans)) if spans else None
 
 
 def request_tpots_ms(detail: dict) -> list[float]:
@@ -71,61 +89,64 @@ def request_tpots_ms(detail: dict) -> list[float]:
         detail["latencies"], detail["ttfts"], detail["output_lens"], detail["errors"]) if not err and n and n > 1]
 
 
-def run_vllm_bench(server: Server, run: Run[Params], rate: float, store: CellStore) -> dict[str, Any]:
+def run_vllm_bench(server: Server, run: Run[Params], rate: float, store: CellStore, round_: int = 1
+                   ) -> dict[str, Any]:
     """One rate measured by `vllm bench serve` against `server`; the stored record in the harness client's shape."""
     p = run.params
     record = bench_serve(server.url, server.model, run.workspace.model_dir.resolve(), rate=rate,
                          num_prompts=p.num_prompts, input_len=p.input_len, output_len=p.output_len,
                          burstiness=p.burstiness, seed=run.cfg.seed, work_dir=store.root / "vllm_bench",
-                         percentiles=p.percentiles, timeout_s=p.max_seconds + 600)
+                         percentiles=p.percentiles, timeout_s=p.max_seconds + 600,
+                         name=None if round_ == 1 else f"vllm_bench_rate_{rate:g}_round{round_}")
     detail = {k: record.pop(k) for k in ("ttfts", "itls", "output_lens", "errors", "tpots_ms", "input_lens",
                                           "start_times", "generated_texts") if k in record}
     return {"summary": record, "detail": detail}
 
 
 def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: CellStore) -> dict:
-    """One system's rows: the rates not on disk yet measured behind one server started for them all."""
+    """One system's rows: the measurements not on disk yet taken behind one server started for them all."""
     p, cfg, n = run.params, run.cfg, run.params.num_prompts
-    todo = [(r, c) for r in p.rates for c in p.clients if not rate_path(store, r, c).is_file()]
+    todo = [m for m in measurements(p) if not rate_path(store, m[0], m[2], m[1]).is_file()]
     server, rows = None, []
     try:
         if todo:
-            log.info("%s: starting its server for rates %s", cell.system.name, sorted({r for r, _ in todo}))
+            log.info("%s: starting its server for rates %s", cell.system.name, sorted({r for r, _, _ in todo}))
             server = start_server(cell.system, run.workspace.model_dir.resolve(), cfg.model, store.root,
                                   p.startup_timeout_s, p.max_queue)
             for w in windows[n:]:
                 asyncio.run(run_load(server.url, server.model, [Prompt(w, len(w))], [0.0], max_tokens=4,
                                      max_seconds=float(p.max_seconds)))
-        for rate in p.rates:
-            for client in p.clients:
-                path = rate_path(store, rate, client)
-                if (rate, client) in todo:
-                    assert server is not None
-                    wait_idle(server)
-                    # the server's whole process tree, over the load's own window: `vllm bench serve` spends
-                    # seconds starting up (imports, tokenizer) while the server idles, and only it knows how long
-                    # its load ran
-                    with CpuTrace(server.process.pid) as meter:
-                        if client == "harness":
-                            result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
-                        else:
-                            result = run_vllm_bench(server, run, rate, store)
-                    usage = meter.usage if client == "harness" else meter.usage_of_last(result["summary"]["duration"])
-                    result["cpu"] = usage.as_dict() if usage else None
-                    atomic_write_json(path, result)
-                    s = result["summary"]
-                    log.info("rate %g, %s, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate,
-                             cell.system.name, CLIENTS[client], s["completed"], n, s["mean_ttft_ms"],
-                             s["mean_tpot_ms"])
-                    if client == p.clients[-1]:
-                        run.advance(1)
-                stored = json.loads(path.read_text())
-                detail = stored.get("detail") or {}
-                tpots = detail.get("tpots_ms") if client != "harness" else request_tpots_ms(detail) if detail else []
-                rows.append({"system": cell.system.name, "client": CLIENTS[client], "request_rate": rate,
-                             "burstiness": p.burstiness, "num_prompts": n, "input_len": p.input_len,
-                             "output_len": p.output_len, "request_tpots_ms": tpots, **_with_cpu(stored)})
+        for rate, round_, client in measurements(p):
+            path = rate_path(store, rate, client, round_)
+            if (rate, round_, client) in todo:
+                assert server is not None
+                wait_idle(server)
+                with CpuTrace(server.process.pid) as meter:
+                    if client == "harness":
+                        result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
+                    else:
+                        result = run_vllm_bench(server, run, rate, store, round_)
+                # the server's whole process tree while requests were in flight, from the last snapshot before the
+                # first request to the first after the last response: neither a client's start-up (`vllm bench
+                # serve` imports for seconds) nor the wait for the first arrival is the server idling under load
+                span = in_flight(result["summary"], result["detail"])
+                usage = meter.usage_between(*span) if span else meter.usage
+                assert usage is not None
+                result["cpu"] = {**usage.as_dict(), "window": "in flight" if span else "client's"}
+                atomic_write_json(path, result)
+                s = result["summary"]
+                log.info("rate %g round %d, %s, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate,
+                         round_, cell.system.name, CLIENTS[client], s["completed"], n, s["mean_ttft_ms"],
+                         s["mean_tpot_ms"])
+                if round_ == p.repeats and client == p.clients[-1]:
+                    run.advance(1)
+            stored = json.loads(path.read_text())
+            detail = stored.get("detail") or {}
+            tpots = detail.get("tpots_ms") if client != "harness" else request_tpots_ms(detail) if detail else []
+            rows.append({"system": cell.system.name, "client": CLIENTS[client], "request_rate": rate,
+                         "round": round_, "burstiness": p.burstiness, "num_prompts": n, "input_len": p.input_len,
+                         "output_len": p.output_len, "request_tpots_ms": tpots, **_with_cpu(stored)})
     finally:
         if server is not None:
             server.close()
-    return {"system": cell.system.name, "rates": p.rates, "rows": rows}
+    return {"system": cell.system.name, "rates": p.rates, "repeats": p.repeats, "rows": rows}

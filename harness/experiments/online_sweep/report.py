@@ -1,14 +1,16 @@
 """The online sweep's summary: latency tables and figures per rate, and whether a system kept up with a rate."""
 from __future__ import annotations
 
+import numpy as np
+
 from harness.experiments.online_sweep.params import Params
 from harness.reporting import plots, uncertainty
 from harness.reporting.tables import finite, fmt
 from harness.running.experiment import Run
 
 STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "std", "p99")]
-CSV_KEYS = ["system", "client", "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "completed",
-            "failed", "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
+CSV_KEYS = ["system", "client", "request_rate", "round", "burstiness", "num_prompts", "input_len", "output_len",
+            "completed", "failed", "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
             "total_token_throughput", "total_input_tokens", "total_output_tokens", *STAT_KEYS,
             "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed"]
 
@@ -79,25 +81,61 @@ def _tpot(row: dict) -> float | None:
     return value if finite(value) and value > 0 else None
 
 
+POOLED_MEANS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "cores_busy")
+
+
+def pooled(rows: list[dict]) -> list[dict]:
+    """One row per system, client and rate. Over repeated rounds: each latency, throughput and cores figure is the
+    mean of the rounds'; `completed` the fewest any round finished and `duration` the longest (a rate is sustained
+    only when every round kept up); `round_tpots` keeps each round's per-request TPOTs apart."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["system"], r.get("client", "harness client"), r["request_rate"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        row = {**rs[0], "rounds": len(rs), "round_tpots": [x.get("request_tpots_ms") or [] for x in rs]}
+        if len(rs) > 1:
+            for key in POOLED_MEANS:
+                values = [x[key] for x in rs if finite(x.get(key))]
+                row[key] = float(np.mean(values)) if len(values) == len(rs) else None
+            row["completed"] = min(x["completed"] for x in rs)
+            row["duration"] = max((x.get("duration") or 0.0) for x in rs)
+            row["request_tpots_ms"] = [t for x in row["round_tpots"] for t in x]
+        out.append(row)
+    return out
+
+
 def client_agreement(rows: list[dict]) -> list[list]:
-    """Per system and rate measured by both clients: each client's mean TPOT with its 95 % interval (over its
-    requests) and the difference's (two independent samples)."""
+    """Per system and rate measured by both clients (pooled rows): each client's mean TPOT with its 95 % interval
+    over its requests, its rounds' means, and the difference's interval: over rounds and then requests where both
+    clients ran at least two rounds (uncertainty.clustered_difference), else over requests alone."""
     by = {(r["system"], r["request_rate"], r.get("client")): r for r in rows}
     out = []
     for (system, rate, client), r in by.items():
         other = by.get((system, rate, "vllm bench serve"))
         if client != "harness client" or other is None:
             continue
-        a, b = r.get("request_tpots_ms") or [], other.get("request_tpots_ms") or []
-        diff = uncertainty.unpaired_difference(a, b)
-        out.append([system, rate, uncertainty.mean(a).fmt(1), uncertainty.mean(b).fmt(1), diff.fmt(1),
+        a, b = r.get("round_tpots") or [r.get("request_tpots_ms") or []], other.get("round_tpots") or [
+            other.get("request_tpots_ms") or []]
+        flat_a, flat_b = [t for x in a for t in x], [t for x in b for t in x]
+        diff = (uncertainty.clustered_difference(a, b) if min(len(a), len(b)) >= 2
+                else uncertainty.unpaired_difference(flat_a, flat_b))
+        out.append([system, rate, uncertainty.mean(flat_a).fmt(1), _round_means(a),
+                    uncertainty.mean(flat_b).fmt(1), _round_means(b), diff.fmt(1),
                     "no" if diff.excludes(0) else "yes"])
     return out
+
+
+def _round_means(rounds: list[list[float]]) -> str:
+    return " / ".join(fmt(float(np.mean(x))) if x else "—" for x in rounds)
 
 
 def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[str, str]:
     p, out_dir = run.params, run.out_dir
     summary = run.summary(envs=envs)
+    per_round, rows = rows, pooled(rows)
+    repeated = any(r.get("rounds", 1) > 1 for r in rows)
     main = [r for r in rows if r.get("client", "harness client") == "harness client"] or rows
     if rows:
         top = max(r["request_rate"] for r in main)
@@ -112,23 +150,35 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
     summary.text(f"{p.num_prompts} requests per rate × ({p.input_len} prompt tokens + {p.output_len} output tokens, "
                  f"EOS ignored, greedy), {arrivals} arrivals rescaled so the last lands at N/rate, each rate capped "
                  f"at {p.max_seconds:g} s. Latencies in ms. Clients: " + ", ".join(
-                     dict.fromkeys(r.get("client", "harness client") for r in rows)) + ".")
-    keys = ["system", "client", "request_rate", "completed", "failed", "request_throughput", "output_throughput",
+                     dict.fromkeys(r.get("client", "harness client") for r in rows)) + "."
+                 + (f" Each rate ran {p.repeats} rounds, every client in turn within a round; the lines above and "
+                    "the figures give the mean over rounds, the table each round." if repeated else ""))
+    keys = ["system", "client", "request_rate", *(["round"] if repeated else []), "completed", "failed",
+            "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
             "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "max_concurrent_requests", "cores_busy", "busy_threads",
             "cpus_allowed"]
-    summary.table(["system", "client", "rate req/s", "done", "failed", "req/s", "out tok/s", "mean TTFT",
-                   "median TTFT", "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT", "mean ITL", "p99 ITL",
-                   "mean E2EL", "peak concurrency", "cores busy", "busy threads", "CPUs"],
-                  [[r.get(k, "harness client" if k == "client" else None) for k in keys] for r in rows], 1)
+    summary.table(["system", "client", "rate req/s", *(["round"] if repeated else []), "done", "failed", "req/s",
+                   "out tok/s", "mean TTFT", "median TTFT", "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT",
+                   "mean ITL", "p99 ITL", "mean E2EL", "peak concurrency", "cores busy", "busy threads", "CPUs"],
+                  [[r.get(k, "harness client" if k == "client" else None) for k in keys] for r in per_round], 1)
     agreement = client_agreement(rows)
     if agreement:
+        how = ("a two-level bootstrap, rounds and then requests within each, so it holds how far one client's "
+               "figures move between rounds as well as its requests' spread" if repeated else
+               "resamples both clients' requests independently; with one round per client it cannot see a drift of "
+               "the shared host between the two clients' runs (exp.params.repeats)")
         summary.text("Do the two clients agree? Mean TPOT per request (ms) with its 95 % bootstrap interval over each "
-                     "client's requests; the difference's interval resamples both independently (their prompts "
-                     "differ: essay windows vs vLLM's random tokens, same lengths).")
-        summary.table(["system", "rate req/s", "harness client", "vllm bench serve", "harness − vllm bench",
-                       "agree (interval holds 0)"], agreement, 1)
-    summary.text("Cores busy = the server process tree's CPU seconds ÷ the rate's wall time; busy threads ran for at "
+                     "client's requests, and each round's mean; the difference's interval is " + how + ". Both "
+                     "clients send the same arrival offsets (each draws them from numpy's generator seeded with the "
+                     "run's seed and rescales them so the last lands at N/rate) and prompts of the same lengths; "
+                     "the prompts themselves differ (essay windows vs vLLM's random tokens).")
+        summary.table(["system", "rate req/s", "harness client", "rounds", "vllm bench serve", "rounds",
+                       "harness − vllm bench", "agree (interval holds 0)"], agreement, 1)
+    summary.text("Cores busy = the server process tree's CPU seconds ÷ the time requests were in flight (from the "
+                 "last /proc snapshot, taken every 0.25 s, before the rate's first request to the first after its "
+                 "last response; neither the client's start-up nor the wait for the first arrival counts); busy "
+                 "threads ran for at "
                  "least 10 % of it; CPUs = the cores its processes may use (all from /proc). Both servers get the "
                  "same cores, device KV capacity (`engine.device_memory_gb`; vLLM's kv_cache_memory_bytes), "
                  "max_num_seqs and max_num_batched_tokens; vLLM runs in its default execution mode unless "
@@ -139,7 +189,7 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                  "most requests in flight in any second. Every server streams one chunk per token.")
     if p.goodput:
         summary.text(f"Goodput SLOs (ms): {p.goodput}; see `request_goodput` in rates.csv.")
-    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in rows], "rates")
+    summary.csv([{k: r.get(k) for k in CSV_KEYS} for r in per_round], "rates")
     if rows:
         clients = list(dict.fromkeys(r.get("client", "harness client") for r in rows))
 
