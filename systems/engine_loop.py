@@ -160,26 +160,29 @@ class EngineLoop:
 
     def _publish(self) -> None:
         posts: list[tuple[Live, tuple]] = []
-        for rid, live in list(self._live.items()):
-            seq = live.seq
-            assert seq is not None          # only admitted requests are live
-            if seq.finish_reason == "error":     # failed alone: its error goes to its client only
-                self.last_error = seq.error
-                posts.append((live, ("error", seq.error)))
-                del self._live[rid]
-                continue
-            n = seq.num_output_tokens
-            finished = seq.status is Status.FINISHED
-            if n > live.sent or finished:
-                ids = seq.token_ids[seq.num_prompt_tokens + live.sent:seq.num_prompt_tokens + n]
-                entries = self._entries(live, seq, n)
-                prompt = seq.prompt_logprobs if live.sent == 0 and live.request.prompt_logprobs is not None else None
-                live.sent = n
-                posts.append((live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None,
-                                     entries, prompt)))
-            if finished:
-                del self._live[rid]
-        self._post_all(posts)
+        try:
+            for rid, live in list(self._live.items()):
+                seq = live.seq
+                assert seq is not None          # only admitted requests are live
+                if seq.finish_reason == "error":     # failed alone: its error goes to its client only
+                    self.last_error = seq.error
+                    posts.append((live, ("error", seq.error)))
+                    del self._live[rid]
+                    continue
+                n = seq.num_output_tokens
+                finished = seq.status is Status.FINISHED
+                if n > live.sent or finished:
+                    ids = seq.token_ids[seq.num_prompt_tokens + live.sent:seq.num_prompt_tokens + n]
+                    entries = self._entries(live, seq, n)
+                    prompt = (seq.prompt_logprobs if live.sent == 0 and live.request.prompt_logprobs is not None
+                              else None)
+                    live.sent = n
+                    posts.append((live, ("tokens", ids, FINISH.get(seq.finish_reason, "stop") if finished else None,
+                                         entries, prompt)))
+                if finished:
+                    del self._live[rid]
+        finally:        # what was gathered before a failure still reaches its clients
+            self._post_all(posts)
 
     @staticmethod
     def _entries(live: Live, seq: Sequence, n: int) -> list[Entry] | None:

@@ -66,6 +66,6 @@ def test_trace_reads_the_span_between_two_instants_on_the_monotonic_clock():
         end = time.perf_counter()
         time.sleep(0.3)
     span = meter.usage_between(start, end)
-    assert 1.0 <= span.wall_s <= 1.0 + 2 * 0.05 + 0.05
+    assert 1.0 <= span.wall_s <= 1.5          # one sampling period each side, and room for a busy machine
     assert span.cores_busy > 0.6 and span.cores_busy > meter.usage.cores_busy + 0.2
     assert meter.usage_between(start - 60, end + 60).cpu_s == meter.usage.cpu_s     # beyond the window: all of it

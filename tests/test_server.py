@@ -339,3 +339,41 @@ def test_request_larger_than_the_device_tier_is_refused_up_front(system):
         parse_body({**body, "max_tokens": fits + engine.kv.page_size}, False, system.tokenizer, small, "tiny")
     assert err.value.status == 400 and err.value.param == "max_tokens"
 
+
+
+def test_engine_loop_hands_a_steps_events_to_each_http_loop_in_order_with_one_wake_up():
+    """_post_all groups a step's events by the asyncio loop of their request: one call_soon_threadsafe per loop,
+    and each request sees its own events in the order they were posted."""
+    import threading
+
+    from systems.base import GenerationRequest
+    from systems.engine_loop import EngineLoop, Live
+
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=lp.run_forever, daemon=True) for lp in loops]
+    for t in threads:
+        t.start()
+    wakeups = {id(lp): 0 for lp in loops}
+    for lp in loops:
+        plain = lp.call_soon_threadsafe
+
+        def counted(*args, _lp=lp, _plain=plain):
+            wakeups[id(_lp)] += 1
+            return _plain(*args)
+        lp.call_soon_threadsafe = counted       # type: ignore[method-assign]
+    lives = [Live(GenerationRequest(f"r{i}", [1, 2], 4), loops[i % 2]) for i in range(3)]
+    try:
+        token = [("tokens", [t], None, None, None) for t in (5, 6, 7)]
+        EngineLoop._post_all([(lives[0], token[0]), (lives[1], token[1]), (lives[2], token[2]),
+                              (lives[0], ("error", "boom"))])
+        posted = sorted(wakeups.values())
+        for lp in loops:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), lp).result(timeout=5)
+        got = [[live.events.get_nowait() for _ in range(live.events.qsize())] for live in lives]
+    finally:
+        for lp in loops:
+            lp.call_soon_threadsafe(lp.stop)
+        for t in threads:
+            t.join(timeout=5)
+    assert got == [[token[0], ("error", "boom")], [token[1]], [token[2]]]
+    assert posted == [1, 1]

@@ -22,9 +22,10 @@ RUNNER = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentPar
 
 def bench_serve(url: str, model: str, tokenizer_dir: Path, *, rate: float, num_prompts: int, input_len: int,
                 output_len: int, burstiness: float, seed: int, work_dir: Path, percentiles: list[float],
-                timeout_s: float, name: str | None = None) -> dict[str, Any]:
+                timeout_s: float, name: str | None = None, max_concurrency: int | None = None) -> dict[str, Any]:
     """Run `vllm bench serve` once; returns its --save-result record (latencies in ms) with per-request TPOTs. `name`
-    names its record and log in work_dir (default: vllm_bench_rate_<rate>)."""
+    names its record and log in work_dir (default: vllm_bench_rate_<rate>); burstiness inf sends at a constant
+    rate (vLLM's gaps are gamma draws, constant in that limit)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     stem = name or f"vllm_bench_rate_{rate:g}"
     record_file = f"{stem}.json"
@@ -36,7 +37,7 @@ def bench_serve(url: str, model: str, tokenizer_dir: Path, *, rate: float, num_p
            "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", ",".join(f"{q:g}" for q in sorted({50.0, *percentiles})),
            "--save-result", "--save-detailed", "--result-dir", str(work_dir), "--result-filename", record_file,
-           "--disable-tqdm"]
+           "--disable-tqdm", *(["--max-concurrency", str(max_concurrency)] if max_concurrency else [])]
     log = work_dir / f"{stem}.log"
     with open(log, "wb") as sink:
         done = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s)

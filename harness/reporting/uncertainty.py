@@ -7,6 +7,8 @@
 - A difference between two systems is the mean of per-sample differences, paired the same way.
 - Aggregates over several task units (the macro mean of per-unit retentions, FlexiCache's average) resample
   samples within each unit (a stratified bootstrap), so every unit keeps its own n.
+- A difference between two measurements repeated in a few blocks (rounds run back to back) is the mean of the
+  blocks' differences with a Student t interval: too few blocks for a bootstrap.
 
 Means and paired differences come from `scipy.stats.bootstrap` (percentile method). Ratios (retention) and
 aggregates over units use the same percentile bootstrap done unit by unit (a stratified bootstrap, which scipy does
@@ -130,36 +132,23 @@ def unpaired_difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
     return Estimate(float(x.mean() - y.mean()), low, high, int(min(x.size, y.size)))
 
 
-def clustered_difference(a_rounds: Sequence[Sequence[float]], b_rounds: Sequence[Sequence[float]]) -> Estimate:
-    """mean(a) − mean(b) where each side is several runs (rounds) of samples that share their run's conditions (the
-    requests of one load run share its host and batches): a two-level bootstrap draws runs with replacement, then
-    samples within each drawn run, so the interval holds the run-to-run spread as well as the samples' own. With
-    two runs a side it still understates that spread (a bootstrap over k runs sees (k − 1) / k of their variance).
-    n is the smaller side's sample count."""
-    a = [_array(r) for r in a_rounds if len(r)]
-    b = [_array(r) for r in b_rounds if len(r)]
-    if not a or not b:
+def blocked_difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
+    """mean(a − b) over blocks: a[k] and b[k] are one figure each of two measurements taken back to back in block
+    k (e.g. two load clients' mean TPOT in one round), so a drift of a shared machine between blocks cancels in
+    their difference and what is left varies as the whole measurement does from one run to the next. The interval
+    is Student's t over the blocks' differences (k − 1 degrees of freedom): with the handful of blocks such runs
+    afford, a bootstrap has too few distinct resamples to give one. n is the number of blocks."""
+    x, y = _array(a), _array(b)
+    if x.size != y.size:
+        raise ValueError(f"blocked_difference needs one pair per block: {x.size} vs {y.size}")
+    d = x - y
+    if d.size == 0:
         return NAN
-    value = float(np.concatenate(a).mean() - np.concatenate(b).mean())
-    n = int(min(sum(x.size for x in a), sum(x.size for x in b)))
-    if min(len(a), len(b)) < 2:
-        return Estimate(value, math.nan, math.nan, n)
-    rng = np.random.default_rng(SEED)
-
-    def resampled_means(runs: list[np.ndarray]) -> np.ndarray:
-        picks = rng.integers(0, len(runs), size=(N_RESAMPLES, len(runs)))
-        sums, counts = np.zeros(N_RESAMPLES), np.zeros(N_RESAMPLES)
-        for j, run in enumerate(runs):      # every run drawn in a resample gets its own draw of its samples
-            draws = (picks == j).sum(axis=1)
-            for k in range(1, int(draws.max(initial=0)) + 1):
-                rows = np.flatnonzero(draws >= k)
-                sums[rows] += run[rng.integers(0, run.size, size=(rows.size, run.size))].sum(axis=1)
-                counts[rows] += run.size
-        return sums / counts
-
-    diffs = resampled_means(a) - resampled_means(b)
-    alpha = (1 - CONFIDENCE) / 2
-    return Estimate(value, float(np.quantile(diffs, alpha)), float(np.quantile(diffs, 1 - alpha)), n)
+    value = float(d.mean())
+    if d.size < 2:
+        return Estimate(value, math.nan, math.nan, int(d.size))
+    half = float(stats.t.ppf((1 + CONFIDENCE) / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
+    return Estimate(value, value - half, value + half, int(d.size))
 
 
 def stratified(units: Sequence[tuple[Sequence[float] | np.ndarray, ...]],

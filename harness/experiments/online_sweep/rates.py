@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ def run_rate(server: Server, prompts: list[Prompt], rate: float, p: Params, seed
 def _with_cpu(result: dict) -> dict:
     cpu = result.get("cpu") or {}
     return {**result["summary"], "cores_busy": cpu.get("cores_busy"), "busy_threads": cpu.get("busy_threads"),
-            "cpus_allowed": cpu.get("cpus_allowed")}
+            "cpus_allowed": cpu.get("cpus_allowed"), "cpu_window": cpu.get("window", "client's load")}
 
 
 def key_of(cell: GridCell, p: Params) -> str:
@@ -95,8 +96,9 @@ def run_vllm_bench(server: Server, run: Run[Params], rate: float, store: CellSto
     p = run.params
     record = bench_serve(server.url, server.model, run.workspace.model_dir.resolve(), rate=rate,
                          num_prompts=p.num_prompts, input_len=p.input_len, output_len=p.output_len,
-                         burstiness=p.burstiness, seed=run.cfg.seed, work_dir=store.root / "vllm_bench",
-                         percentiles=p.percentiles, timeout_s=p.max_seconds + 600,
+                         burstiness=math.inf if p.process == "constant" else p.burstiness, seed=run.cfg.seed,
+                         work_dir=store.root / "vllm_bench", percentiles=p.percentiles,
+                         timeout_s=p.max_seconds + 600, max_concurrency=p.max_concurrency,
                          name=None if round_ == 1 else f"vllm_bench_rate_{rate:g}_round{round_}")
     detail = {k: record.pop(k) for k in ("ttfts", "itls", "output_lens", "errors", "tpots_ms", "input_lens",
                                           "start_times", "generated_texts") if k in record}
@@ -130,9 +132,10 @@ def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: Cel
                 # first request to the first after the last response: neither a client's start-up (`vllm bench
                 # serve` imports for seconds) nor the wait for the first arrival is the server idling under load
                 span = in_flight(result["summary"], result["detail"])
-                usage = meter.usage_between(*span) if span else meter.usage
+                usage = (meter.usage_between(*span) if span else meter.usage if client == "harness"
+                         else meter.usage_of_last(result["summary"]["duration"]))
                 assert usage is not None
-                result["cpu"] = {**usage.as_dict(), "window": "in flight" if span else "client's"}
+                result["cpu"] = {**usage.as_dict(), "window": "in flight" if span else "client's load"}
                 atomic_write_json(path, result)
                 s = result["summary"]
                 log.info("rate %g round %d, %s, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate,

@@ -12,7 +12,8 @@ STAT_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("m
 CSV_KEYS = ["system", "client", "request_rate", "round", "burstiness", "num_prompts", "input_len", "output_len",
             "completed", "failed", "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
             "total_token_throughput", "total_input_tokens", "total_output_tokens", *STAT_KEYS,
-            "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed"]
+            "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed",
+            "cpu_window"]
 
 
 SUSTAINED = ("every request done, the last within 1/0.9 of the time a queue-free run needs: the last arrival plus "
@@ -85,50 +86,64 @@ POOLED_MEANS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                 "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "cores_busy")
 
 
+LATENCY_KEYS = frozenset(k for k in POOLED_MEANS if k.endswith("_ms"))
+
+
 def pooled(rows: list[dict]) -> list[dict]:
     """One row per system, client and rate. Over repeated rounds: each latency, throughput and cores figure is the
-    mean of the rounds'; `completed` the fewest any round finished and `duration` the longest (a rate is sustained
-    only when every round kept up); `round_tpots` keeps each round's per-request TPOTs apart."""
+    mean of the rounds' (None when a round has none: a latency of 0 means nothing completed); `completed` the fewest
+    any round finished and `duration` the longest (a rate is sustained only when every round kept up);
+    `round_tpots` keeps each round's per-request TPOTs apart, by round number."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["system"], r.get("client", "harness client"), r["request_rate"]), []).append(r)
     out = []
     for rs in groups.values():
-        row = {**rs[0], "rounds": len(rs), "round_tpots": [x.get("request_tpots_ms") or [] for x in rs]}
+        row = {**rs[0], "rounds": len(rs),
+               "round_tpots": {x.get("round", 1): x.get("request_tpots_ms") or [] for x in rs}}
         if len(rs) > 1:
             for key in POOLED_MEANS:
-                values = [x[key] for x in rs if finite(x.get(key))]
+                values = [x[key] for x in rs if finite(x.get(key)) and (x[key] > 0 or key not in LATENCY_KEYS)]
                 row[key] = float(np.mean(values)) if len(values) == len(rs) else None
             row["completed"] = min(x["completed"] for x in rs)
             row["duration"] = max((x.get("duration") or 0.0) for x in rs)
-            row["request_tpots_ms"] = [t for x in row["round_tpots"] for t in x]
+            row["request_tpots_ms"] = [t for x in rs for t in x.get("request_tpots_ms") or []]
         out.append(row)
     return out
 
 
 def client_agreement(rows: list[dict]) -> list[list]:
     """Per system and rate measured by both clients (pooled rows): each client's mean TPOT with its 95 % interval
-    over its requests, its rounds' means, and the difference's interval: over rounds and then requests where both
-    clients ran at least two rounds (uncertainty.clustered_difference), else over requests alone."""
+    over its requests and its rounds' means, then the clients' difference. Where both completed requests in two or
+    more of the same rounds, that difference is the mean of the rounds' differences with a t interval over rounds
+    (uncertainty.blocked_difference): a round runs the clients back to back, so what the interval holds is how much
+    the whole measurement moves from round to round. With one round it resamples the requests alone, which cannot
+    see a drift of the machine between the two runs. The verdict is "—" where no interval can be drawn."""
     by = {(r["system"], r["request_rate"], r.get("client")): r for r in rows}
     out = []
     for (system, rate, client), r in by.items():
         other = by.get((system, rate, "vllm bench serve"))
         if client != "harness client" or other is None:
             continue
-        a, b = r.get("round_tpots") or [r.get("request_tpots_ms") or []], other.get("round_tpots") or [
-            other.get("request_tpots_ms") or []]
-        flat_a, flat_b = [t for x in a for t in x], [t for x in b for t in x]
-        diff = (uncertainty.clustered_difference(a, b) if min(len(a), len(b)) >= 2
+        a, b = _rounds(r), _rounds(other)
+        both = [k for k in a if a[k] and b.get(k)]
+        flat_a, flat_b = [t for x in a.values() for t in x], [t for x in b.values() for t in x]
+        diff = (uncertainty.blocked_difference([float(np.mean(a[k])) for k in both],
+                                               [float(np.mean(b[k])) for k in both]) if len(both) >= 2
                 else uncertainty.unpaired_difference(flat_a, flat_b))
+        verdict = "—" if not (finite(diff.low) and finite(diff.high)) else "no" if diff.excludes(0) else "yes"
         out.append([system, rate, uncertainty.mean(flat_a).fmt(1), _round_means(a),
-                    uncertainty.mean(flat_b).fmt(1), _round_means(b), diff.fmt(1),
-                    "no" if diff.excludes(0) else "yes"])
+                    uncertainty.mean(flat_b).fmt(1), _round_means(b),
+                    diff.fmt(1) + (" rounds" if len(both) >= 2 else " requests"), verdict])
     return out
 
 
-def _round_means(rounds: list[list[float]]) -> str:
-    return " / ".join(fmt(float(np.mean(x))) if x else "—" for x in rounds)
+def _rounds(row: dict) -> dict[int, list[float]]:
+    return row.get("round_tpots") or {row.get("round", 1): row.get("request_tpots_ms") or []}
+
+
+def _round_means(rounds: dict[int, list[float]]) -> str:
+    return " / ".join(fmt(float(np.mean(x))) if x else "—" for _, x in sorted(rounds.items()))
 
 
 def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[str, str]:
@@ -152,7 +167,8 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                  f"at {p.max_seconds:g} s. Latencies in ms. Clients: " + ", ".join(
                      dict.fromkeys(r.get("client", "harness client") for r in rows)) + "."
                  + (f" Each rate ran {p.repeats} rounds, every client in turn within a round; the lines above and "
-                    "the figures give the mean over rounds, the table each round." if repeated else ""))
+                    "the figures give the mean over rounds (a rate's `done` there is the fewest any round "
+                    "completed), the table each round." if repeated else ""))
     keys = ["system", "client", "request_rate", *(["round"] if repeated else []), "completed", "failed",
             "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -164,25 +180,27 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                   [[r.get(k, "harness client" if k == "client" else None) for k in keys] for r in per_round], 1)
     agreement = client_agreement(rows)
     if agreement:
-        how = ("a two-level bootstrap, rounds and then requests within each, so it holds how far one client's "
-               "figures move between rounds as well as its requests' spread" if repeated else
+        how = ("the mean of the rounds' differences with a Student t interval over rounds (a round runs the "
+               "clients back to back, so a drift of the shared host between rounds cancels and the interval holds "
+               "how much the whole measurement moves from round to round; with few rounds it is wide, as it should "
+               "be)" if repeated else
                "resamples both clients' requests independently; with one round per client it cannot see a drift of "
                "the shared host between the two clients' runs (exp.params.repeats)")
         summary.text("Do the two clients agree? Mean TPOT per request (ms) with its 95 % bootstrap interval over each "
-                     "client's requests, and each round's mean; the difference's interval is " + how + ". Both "
-                     "clients send the same arrival offsets (each draws them from numpy's generator seeded with the "
-                     "run's seed and rescales them so the last lands at N/rate) and prompts of the same lengths; "
-                     "the prompts themselves differ (essay windows vs vLLM's random tokens).")
+                     "client's requests, and each round's mean; the difference is " + how + ". Both clients send "
+                     "the same arrival offsets (each draws them from numpy's generator seeded with the run's seed "
+                     "and rescales them so the last lands at N/rate) and prompts of the same lengths; the prompts "
+                     "themselves differ (essay windows vs vLLM's random tokens).")
         summary.table(["system", "rate req/s", "harness client", "rounds", "vllm bench serve", "rounds",
                        "harness − vllm bench", "agree (interval holds 0)"], agreement, 1)
     summary.text("Cores busy = the server process tree's CPU seconds ÷ the time requests were in flight (from the "
                  "last /proc snapshot, taken every 0.25 s, before the rate's first request to the first after its "
-                 "last response; neither the client's start-up nor the wait for the first arrival counts); busy "
-                 "threads ran for at "
-                 "least 10 % of it; CPUs = the cores its processes may use (all from /proc). Both servers get the "
-                 "same cores, device KV capacity (`engine.device_memory_gb`; vLLM's kv_cache_memory_bytes), "
-                 "max_num_seqs and max_num_batched_tokens; vLLM runs in its default execution mode unless "
-                 "`system.vllm_execution=eager`.")
+                 "last response; neither the client's start-up nor the wait for the first arrival counts; rates.csv's "
+                 "cpu_window names the window each row used, `client's load` where no request completed); busy "
+                 "threads ran for at least 10 % of it; CPUs = the cores its processes may use (all from /proc). "
+                 "Both servers get the same cores, device KV capacity (`engine.device_memory_gb`; vLLM's "
+                 "kv_cache_memory_bytes), max_num_seqs and max_num_batched_tokens; vLLM runs in its default "
+                 "execution mode unless `system.vllm_execution=eager`.")
     summary.text("Definitions (`vllm bench serve`): TTFT = first token chunk − request start; TPOT = (E2EL − TTFT) / "
                  "(output tokens − 1) per request; ITL = gaps between consecutive token chunks pooled over requests; "
                  "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "
@@ -197,7 +215,8 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
             return r["system"] if len(clients) == 1 else f"{r['system']} ({r.get('client', 'harness client')})"
         by = {s: sorted((r for r in rows if label(r) == s), key=lambda r: r["request_rate"])
               for s in dict.fromkeys(label(r) for r in rows)}
-        n = f"n = {p.num_prompts} requests per rate ({p.input_len} in + {p.output_len} out)"
+        n = (f"n = {p.num_prompts} requests per rate" + (f" and round, mean of {p.repeats} rounds" if repeated else "")
+             + f" ({p.input_len} in + {p.output_len} out)")
         summary.image("tpot_png", plots.line_plot(
             out_dir / "tpot_vs_rate.png",
             {s: [(r["request_rate"], r["mean_tpot_ms"]) for r in rs] for s, rs in by.items()},
