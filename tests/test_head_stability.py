@@ -35,6 +35,12 @@ def test_profile_round_trip_and_validation(tmp_path):
         profiles.load_profile(path, "lserve")
     with pytest.raises(ValueError, match="not found"):
         profiles.load_profile(tmp_path / "none.json", "flexicache")
+    # made on this model for its shape: loads; for another shape or model: refused, naming the command that fixes it
+    assert profiles.load_model_profile(path, "flexicache", schema, "m", "head_stability", 2, 2) == _profile()
+    with pytest.raises(ValueError, match=r"is for 2 layers x 2 KV heads, the model has 3 x 2; .*head_stability"):
+        profiles.load_model_profile(path, "flexicache", schema, "m", "head_stability", 3, 2)
+    with pytest.raises(ValueError, match="was made on model 'm'"):
+        profiles.load_model_profile(path, "flexicache", schema, "other", "head_stability", 2, 2)
 
 
 def test_find_profile_applies_leave_one_out(tmp_path):

@@ -122,11 +122,8 @@ class FlexiCache(Policy):
             return profiles.head_list(self.unstable_heads, kv.num_layers, kv.num_kv_heads, "flexicache"), "params"
         model = getattr(kv, "model_name", None)
         path = self._profile_path or self._find(model)
-        prof = profiles.load_profile(path, "flexicache", self.profile_schema)
-        profiles.check_model(prof, path, model, str(self.profiler))
-        if (prof["num_layers"], prof["num_kv_heads"]) != (kv.num_layers, kv.num_kv_heads):
-            raise ValueError(f"flexicache profile {path} is for {prof['num_layers']} layers x {prof['num_kv_heads']} "
-                             f"KV heads, the model has {kv.num_layers} x {kv.num_kv_heads}; profile this model")
+        prof = profiles.load_model_profile(path, "flexicache", self.profile_schema, model, str(self.profiler),
+                                           kv.num_layers, kv.num_kv_heads)
         return profiles.head_list(prof["unstable_heads"], kv.num_layers, kv.num_kv_heads, str(path)), str(path)
 
     def device_blocks_needed(self, prompt_len: int, max_new_tokens: int) -> int:

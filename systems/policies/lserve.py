@@ -130,8 +130,8 @@ class LServe(Policy):
             return profiles.head_list(self.streaming_heads, kv.num_layers, kv.num_kv_heads, "lserve")
         model = getattr(kv, "model_name", None)
         path = self._path(self.profile_model or model)
-        prof = profiles.load_profile(path, "lserve", self.profile_schema)
-        profiles.check_model(prof, path, model, self._maker)
+        prof = profiles.load_model_profile(path, "lserve", self.profile_schema, model, self._maker, kv.num_layers,
+                                           kv.num_kv_heads)
         scores = torch.tensor(prof["head_scores"], dtype=torch.float64)
         if tuple(scores.shape) != (kv.num_layers, kv.num_kv_heads):
             raise ValueError(f"lserve profile {path} scores {tuple(scores.shape)} heads, the model has "

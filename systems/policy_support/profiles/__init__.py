@@ -66,6 +66,19 @@ def load_profile(path: Path | str, kind: str, required: Sequence[str] = ()) -> d
     return profile
 
 
+def load_model_profile(path: Path | str, kind: str, required: Sequence[str], model: str | None, profiler: str,
+                       num_layers: int, num_kv_heads: int) -> dict[str, Any]:
+    """load_profile, refused when it was made on another model or for another number of layers or KV heads."""
+    profile = load_profile(path, kind, required)
+    check_model(profile, path, model, profiler)
+    made_for = (profile.get("num_layers"), profile.get("num_kv_heads"))
+    if made_for != (num_layers, num_kv_heads):
+        raise ValueError(f"{kind} profile {path} is for {made_for[0]} layers x {made_for[1]} KV heads, the model has "
+                         f"{num_layers} x {num_kv_heads}; make one for this model with "
+                         f"`{make_command(profiler, model or '<model>')}`")
+    return profile
+
+
 def find_profile(kind: str, model: str, tasks: Sequence[str], heldout_task: str | None = None,
                  folder: Path | str = PROFILE_DIR, profiler: str | None = None) -> Path:
     """The first profile of `model` among `tasks` (preference order) that was not made on heldout_task or a variant
