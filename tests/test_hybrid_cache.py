@@ -4,7 +4,8 @@ On tiny random Gemma-3-like (sliding + global layers) and Mistral-like (a window
 longer than the window and chunked prefill: the engine's tokens and log-probabilities are the same with and without
 freeing (per-op and fused decode), a windowed layer never holds more than ceil((W - 1) / P) + 1 pages per KV head
 between steps, the freed blocks go back to the pool (no leak, no double free, shared contexts included, under every
-policy), and policies act only on the full-attention layers, with budgets and analytic counts over those.
+policy), and policies act only on the full-attention layers, with budgets and analytic counts over those. A page rule
+run inside the fused step (a Qwen2-like model whose last layer is windowed) equals the per-op step bit for bit.
 """
 from __future__ import annotations
 
@@ -211,3 +212,42 @@ def test_every_policy_states_what_it_does_on_windowed_layers():
     for name in policy_names():
         cls = policy_class(name)
         assert cls is not None and cls.windowed_layers in WINDOWED_LAYERS, name
+
+
+@pytest.fixture(scope="module")
+def windowed_llama_like(tmp_path_factory):
+    """A plain decoder the fused step runs (Qwen2: Llama's layer with QKV biases) whose last layer keeps a window:
+    layers 0 and 1 full attention, layer 2 sliding."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tf.Qwen2Config(**SMALL, num_hidden_layers=3, use_sliding_window=True, sliding_window=W, max_window_layers=2)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    _randomize_norms(model)
+    path = tmp_path_factory.mktemp("qwen2_window")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["flexicache", "flexicache_naive", "quest"])
+def test_a_page_rule_beside_windowed_layers_equals_the_per_op_step(windowed_llama_like, name):
+    """A policy's page rule runs inside the fused step on the full-attention layers only, beside a layer that keeps
+    its window: the same tokens and log-probability bits as the per-op step, which asks select_pages per layer."""
+    from tests.test_deferred_eviction import instrument
+
+    outputs, calls = [], []
+    for fused in (True, False):
+        engine = Engine(str(windowed_llama_like), load_policy(MODULE.get(name, name), POLICIES[name]),
+                        dict(page_size=P, device_memory_gb=0.02, host_memory_gb=0.02, max_num_seqs=4,
+                             max_num_batched_tokens=24, chunked_prefill=True, fused_decode=fused), dtype="float32")
+        assert (engine.runner.fused is not None) == fused, engine.runner.fused_unsupported
+        assert engine.policy.managed_layers == (0, 1) and sorted(engine.kv.released_windows) == [2]
+        record = instrument(engine, ("decode_page_rule",))
+        seqs = engine.generate([GenerationRequest(str(i), p, MAX_NEW, ignore_eos=True, logprob_steps=MAX_NEW)
+                                for i, p in enumerate(_prompts())])
+        outputs.append([(s.output_ids, s.token_logprobs) for s in sorted(seqs, key=lambda s: s.request.request_id)])
+        calls.append(record["decode_page_rule"])
+        assert engine.kv.device_blocks.num_used == 0
+    assert outputs[0] == outputs[1]
+    assert calls[0] > 0 and calls[1] == 0           # the fused engine ran the rule, the per-op one its hooks
