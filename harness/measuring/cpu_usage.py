@@ -136,21 +136,19 @@ class CpuTrace(CpuMeter):
     def __init__(self, root: int | None = None, exclude: frozenset[int] = frozenset(), every_s: float = 0.25):
         super().__init__(root, exclude)
         self.every_s = every_s
-        self._trace: list[tuple[float, dict[tuple[int, int], int]]] = []
-        self._read_by: list[float] = []
+        # per snapshot: when its /proc reading began, when it had ended, the ticks it read
+        self._trace: list[tuple[float, float, dict[tuple[int, int], int]]] = []
         self._stop = threading.Event()
 
     def _sample(self) -> None:
         while not self._stop.wait(self.every_s):
             begun = time.perf_counter()
             ticks = self._snapshot()[0]
-            self._trace.append((begun, ticks))
-            self._read_by.append(time.perf_counter())
+            self._trace.append((begun, time.perf_counter(), ticks))
 
     def __enter__(self) -> CpuTrace:
         super().__enter__()
-        self._trace = [(self._t0, self._before)]
-        self._read_by = [time.perf_counter()]      # when each snapshot's reading had ended
+        self._trace = [(self._t0, time.perf_counter(), self._before)]
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
@@ -160,23 +158,21 @@ class CpuTrace(CpuMeter):
         self._thread.join()
         end = time.perf_counter()
         after, self._allowed, self._processes = self._snapshot()
-        self._trace.append((end, after))
-        self._read_by.append(time.perf_counter())
+        self._trace.append((end, time.perf_counter(), after))
         self.usage = _usage(self._before, after, end - self._t0, self._allowed, self._processes)
 
     def usage_between(self, start: float, end: float) -> CpuUsage:
         """What the tree used from the last snapshot at or before `start` to the first at or after `end` (times on
         time.perf_counter's clock, which is CLOCK_MONOTONIC and so shared with other processes): a window that holds
         [start, end] and exceeds it by at most one sampling period at each side."""
-        # a snapshot reads /proc between its start time and _read_by: wholly before `start`, or wholly after `end`
-        snaps = list(zip(self._trace, self._read_by))
-        before = next((t for t, read_by in reversed(snaps) if read_by <= start), snaps[0][0])
-        after = next((t for t, _ in snaps if t[0] >= end), snaps[-1][0])
-        return _usage(before[1], after[1], after[0] - before[0], self._allowed, self._processes)
+        # snapshots whose /proc reading lay wholly before `start`, or wholly after `end`
+        before = next((s for s in reversed(self._trace) if s[1] <= start), self._trace[0])
+        after = next((s for s in self._trace if s[0] >= end), self._trace[-1])
+        return _usage(before[2], after[2], after[0] - before[0], self._allowed, self._processes)
 
     def usage_of_last(self, seconds: float) -> CpuUsage:
         """What the tree used from the last snapshot taken at least `seconds` before the window's end (the whole
         window when it is shorter) to its end."""
-        end, after = self._trace[-1]
-        start, before = next(((t, ticks) for t, ticks in reversed(self._trace) if t <= end - seconds), self._trace[0])
+        end, _, after = self._trace[-1]
+        start, _, before = next((s for s in reversed(self._trace) if s[0] <= end - seconds), self._trace[0])
         return _usage(before, after, end - start, self._allowed, self._processes)

@@ -177,8 +177,9 @@ class FlexiCache(Policy):
             self._tier_call(kv.offload_pages, slot, layer, hh, pp)
             stats["offloaded_pages"] += hh.numel()
         if n_pages > self.top_k:
-            top = kv.top_pages(torch.tensor([slot], device=kv.device), layer, self._group_q(kv, q[-1:], stable),
-                               self.top_k, keep_last=True, heads=stable, width=n_pages)[0]          # [s, K]
+            last_q = selection.group_queries(q[-1:], kv.num_kv_heads, stable)
+            top = kv.top_pages(torch.tensor([slot], device=kv.device), layer, last_q, self.top_k, keep_last=True,
+                               heads=stable, width=n_pages)[0]                                   # [s, K]
             hi, pp = (~selection.as_mask(top, n_pages)).nonzero(as_tuple=True)
             self._tier_call(kv.release_device_pages, slot, layer, stable[hi], pp)
             stats["released_pages"] += pp.numel()
@@ -268,8 +269,8 @@ class FlexiCache(Policy):
         stable, rows = self._stable_heads[step.layer], self._reranks(step.seqs)
         if width > self.top_k and rows and stable.numel():
             r = torch.tensor(rows, device=kv.device)
-            top = kv.top_pages(step.slots[r], step.layer, self._group_q(kv, step.q[r], stable), self.top_k,
-                               keep_last=True, heads=stable, width=width)
+            q = selection.group_queries(step.q[r], kv.num_kv_heads, stable)
+            top = kv.top_pages(step.slots[r], step.layer, q, self.top_k, keep_last=True, heads=stable, width=width)
             self._pending[step.layer] = (r, top)
 
     def select_pages(self, kv: KVView, step: DecodeStep) -> torch.Tensor | None:
@@ -285,8 +286,8 @@ class FlexiCache(Policy):
         if stable.numel():
             parts.append((stable, self._resident(kv, slots, step.seqs, layer, stable)))
         if unstable.numel():
-            parts.append((unstable, kv.top_pages(slots, layer, self._group_q(kv, step.q, unstable), K,
-                                                 keep_last=True, heads=unstable, width=width)))
+            q = selection.group_queries(step.q, kv.num_kv_heads, unstable)
+            parts.append((unstable, kv.top_pages(slots, layer, q, K, keep_last=True, heads=unstable, width=width)))
         if len(parts) == 1:
             return parts[0][1]
         W = max(p.shape[-1] for _, p in parts)
@@ -309,12 +310,6 @@ class FlexiCache(Policy):
         """Drop the kept resident lists (one layer's, or all) after their pages moved; the rule's sets with them."""
         self._held.clear() if layer is None else self._held.pop(layer, None)
         self._rule_sets = None
-
-    @staticmethod
-    def _group_q(kv: KVView, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-        """The query rows of the given KV heads' groups: [B, len(heads) * G, D]."""
-        G = kv.num_q_heads // kv.num_kv_heads
-        return q.view(q.shape[0], kv.num_kv_heads, G, -1)[:, heads].reshape(q.shape[0], -1, kv.head_dim)
 
     def after_append(self, kv: KVView, step: DecodeStep) -> None:
         layer, slots, P = step.layer, step.slots, kv.page_size

@@ -269,8 +269,7 @@ class LServe(Policy):
         if self._group > 1:             # each query head scores with its own query (a group of one)
             q = step.q[r][:, units]
         else:                           # a KV head scores with the max over its query group
-            G = kv.num_q_heads // kv.num_kv_heads
-            q = step.q[r].view(len(rows), kv.num_kv_heads, G, -1)[:, units].reshape(len(rows), -1, kv.head_dim)
+            q = selection.group_queries(step.q[r], kv.num_kv_heads, units)
         n_log = num_pages[r][:, units]
         scores = selection.page_scores(q, kv.kmin[s, layer, heads, :width], kv.kmax[s, layer, heads, :width], n_log)
         wp = -(-width // self.sub)

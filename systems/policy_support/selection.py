@@ -30,6 +30,12 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, num_pag
     return scores.masked_fill(beyond, float("-inf"))
 
 
+def group_queries(q: torch.Tensor, num_kv_heads: int, heads: torch.Tensor) -> torch.Tensor:
+    """The query rows of the given KV heads' groups: q [B, Hq, D] -> [B, len(heads) * G, D]."""
+    B, Hq, D = q.shape
+    return q.view(B, num_kv_heads, Hq // num_kv_heads, D)[:, heads].reshape(B, -1, D)
+
+
 def pages_of(num_tokens: torch.Tensor, page_size: int) -> torch.Tensor:
     """Pages a head's tokens span (the last may be partial)."""
     return (num_tokens.long() + page_size - 1) // page_size

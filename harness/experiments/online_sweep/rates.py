@@ -108,7 +108,7 @@ def run_vllm_bench(server: Server, run: Run[Params], rate: float, store: CellSto
 def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: CellStore) -> dict:
     """One system's rows: the measurements not on disk yet taken behind one server started for them all."""
     p, cfg, n = run.params, run.cfg, run.params.num_prompts
-    todo = [m for m in measurements(p) if not rate_path(store, m[0], m[2], m[1]).is_file()]
+    todo = [(r, k, c) for r, k, c in measurements(p) if not rate_path(store, r, c, k).is_file()]
     server, rows = None, []
     try:
         if todo:
