@@ -25,6 +25,7 @@ from aiohttp import web
 
 from systems.base import GenerationRequest
 from systems.engine.sampler import SEED_MAX, SEED_MIN
+from systems.engine_link import EngineFacts
 from systems.openai_logprobs import ChoiceText, LogprobsError, parse_logprobs
 
 MAX_JSON_DEPTH = 32        # the deepest body the API needs is 5 levels (messages -> content parts)
@@ -218,8 +219,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(s for s in stop if s)
 
 
-def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: str, max_chars: int | None = None
-               ) -> Params:
+def parse_body(body: Any, chat: bool, tokenizer: Any, facts: EngineFacts, model_name: str,
+               max_chars: int | None = None) -> Params:
     """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix.
     `max_chars`: the longest text prompt worth tokenizing (see max_prompt_chars); None tokenizes any."""
     if not isinstance(body, dict):
@@ -248,9 +249,9 @@ def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: s
         raise ApiError("stream_options needs stream=true and must be an object", param="stream_options")
     include_usage = _flag(options or {}, "include_usage")
     stop, ignore_eos = _stop(body), _flag(body, "ignore_eos")
-    vocab = engine.model.spec.vocab_size
+    vocab = facts.vocab_size
     ids = chat_prompt(body, tokenizer, max_chars) if chat else completion_prompt(body, tokenizer, vocab, max_chars)
-    limit = engine.max_model_len
+    limit = facts.max_model_len
     if len(ids) >= limit:
         raise ApiError(f"the prompt has {len(ids)} tokens; this model's maximum context length is {limit} "
                        "tokens: shorten the prompt", param="messages" if chat else "prompt")
@@ -267,12 +268,11 @@ def parse_body(body: Any, chat: bool, tokenizer: Any, engine: Any, model_name: s
                        param=key)
     # Its footprint once all max_tokens are decoded, by the policy's own rule (a budget caps it for eviction
     # policies): a sequence that alone outgrows the device tier would fail the engine step it runs in.
-    need = engine.policy.device_blocks_needed(len(ids) + max(max_tokens, 1), 0)
-    capacity = engine.kv.device_blocks.capacity
-    if need > capacity:
-        raise ApiError(f"the request needs {need} device KV blocks but the server's device tier holds {capacity}; "
-                       f"lower {key}, shorten the prompt, or restart the server with a larger --device-memory-gb",
-                       param=key)
+    if len(ids) + max(max_tokens, 1) > facts.longest_fit:
+        raise ApiError(f"the request needs {len(ids)} prompt + {max_tokens} completion tokens of KV but the server's "
+                       f"device tier ({facts.device_blocks} blocks) holds at most {facts.longest_fit} tokens of one "
+                       f"sequence under policy {facts.policy}; lower {key}, shorten the prompt, or restart the "
+                       "server with a larger --device-memory-gb", param=key)
     return Params(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                   seed=random.getrandbits(31) if seed is None else seed, stop=stop,
                   ignore_eos=ignore_eos, stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echo,

@@ -5,9 +5,11 @@
 Routes: POST /v1/completions (`logprobs`, `echo`: systems/openai_logprobs.py), POST /v1/chat/completions (`stream`,
 `stream_options.include_usage`, `ignore_eos`), GET /v1/models, GET /health (JSON), GET /metrics (Prometheus).
 
-One thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and aborts from an
-inbox, steps while any request exists, and hands each step's new tokens to the request's asyncio queue; from the
-command line that is the main thread, which built the engine, with HTTP on a second one (engine_loop says why).
+One thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and aborts through a
+link (systems.engine_link), steps while any request exists, and sends each step's new tokens back, which land on the
+request's asyncio queue. From the command line the engine loop runs on the main thread of the process that built the
+engine and HTTP in a process of its own (systems.http_process); `start_in_thread` keeps both in this process for
+tests and notebooks.
 Every token becomes one SSE chunk, so a client's inter-chunk gaps are the engine's per-token gaps (what vLLM's bench
 measures as ITL); the chunk carrying the last token also carries `finish_reason`.
 
@@ -39,7 +41,8 @@ from typing import Any
 from aiohttp import web
 
 from systems import openai_api as api
-from systems.engine_loop import EngineLoop, Live
+from systems.engine_link import EngineClient, EngineFacts, Live, QueueClient, QueuePort, facts_of
+from systems.engine_loop import EngineLoop
 from systems.openai_api import ApiError, Detokenizer, Params, parse_body
 from systems.openai_logprobs import ChoiceText
 from systems.openai_logprobs import merge as merge_logprobs
@@ -51,26 +54,21 @@ OUTCOMES = ("completed", "rejected", "invalid", "too_large", "failed", "aborted"
 class OpenAIServer:
     """The HTTP side: validation, admission (bounded queue), SSE framing, counters."""
 
-    def __init__(self, system: Any, model_name: str, max_queue: int = 64, retry_after_s: int = 1,
-                 max_body_bytes: int | None = None, engine_thread: bool = True) -> None:
-        """`engine_thread=False`: the app does not start the engine loop; its owner calls `self.loop.run()`."""
+    def __init__(self, client: EngineClient, facts: EngineFacts, tokenizer: Any, model_name: str,
+                 max_queue: int = 64, retry_after_s: int = 1, max_body_bytes: int | None = None) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} must be >= 0")
-        self.system, self.model_name = system, model_name
-        self.tokenizer = system.tokenizer
-        self.engine = system.engine
+        self.client, self.facts, self.tokenizer, self.model_name = client, facts, tokenizer, model_name
         self.max_queue, self.retry_after_s = max_queue, retry_after_s
-        self.max_body_bytes = max_body_bytes or api.default_max_body_bytes(self.engine.max_model_len)
+        self.max_body_bytes = max_body_bytes or api.default_max_body_bytes(facts.max_model_len)
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={self.max_body_bytes} must be >= 1")
-        self.max_chars = api.max_prompt_chars(self.tokenizer, self.engine.max_model_len)
-        self.loop = EngineLoop(self.engine)
-        self.engine_thread = engine_thread
+        self.max_chars = api.max_prompt_chars(self.tokenizer, facts.max_model_len)
         # parsing and tokenizing off the event loop (HF tokenizers release the GIL while they encode)
         self.workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="http-parse")
         self.in_flight = 0
         # Requests not yet admitted count as waiting only beyond the running slots, so a burst fills both.
-        self.capacity = self.engine.scheduler.max_num_seqs + max_queue
+        self.capacity = facts.max_num_seqs + max_queue
         self.counts = {"received": 0, **dict.fromkeys(OUTCOMES, 0)}
         self.http_status: Counter[int] = Counter()
         self.started = time.time()
@@ -82,16 +80,14 @@ class OpenAIServer:
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
-        app.on_startup.append(self._start_engine)
-        app.on_cleanup.append(self._stop_engine)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
         return app
 
-    async def _start_engine(self, app: web.Application) -> None:
-        if self.engine_thread:
-            self.loop.start()
+    async def _start(self, app: web.Application) -> None:
+        self.client.start(asyncio.get_running_loop())
 
-    async def _stop_engine(self, app: web.Application) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.loop.stop)
+    async def _stop(self, app: web.Application) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
 
     @web.middleware
@@ -116,24 +112,24 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": int(self.started), "owned_by": "kvharness",
              # vLLM's fields: `root` is the weights the name serves (clients such as `vllm bench serve` load its
              # tokenizer from it), `parent` a base model for adapters (none here)
-             "root": getattr(self.system, "model_dir", self.model_name), "parent": None, "permission": [],
-             "max_model_len": self.engine.max_model_len}]})
+             "root": self.facts.model_dir, "parent": None, "permission": [],
+             "max_model_len": self.facts.max_model_len}]})
 
     def snapshot(self) -> dict:
-        kv = self.engine.kv
-        dev, host = kv.device_blocks, kv.host_blocks
-        return {"status": "ok" if self.loop.healthy else "error", "model": self.model_name,
-                "policy": type(self.engine.policy).__name__, "requests": dict(self.counts),
-                "running": self.loop.num_running(), "waiting": max(self.in_flight - self.loop.num_running(), 0),
-                "max_queue": self.max_queue, "max_body_bytes": self.max_body_bytes, "last_error": self.loop.last_error,
+        st = self.client.stats
+        return {"status": "ok" if self.client.healthy else "error", "model": self.model_name,
+                "policy": self.facts.policy, "requests": dict(self.counts),
+                "running": st.running, "waiting": max(self.in_flight - st.running, 0),
+                "max_queue": self.max_queue, "max_body_bytes": self.max_body_bytes, "last_error": st.last_error,
                 # in-use counts of both tiers: a leak in either shows from outside as a count that never returns
-                "kv": {"device_blocks_free": dev.num_free, "device_blocks_used": dev.num_used,
-                       "device_blocks_total": dev.capacity, "host_blocks_free": host.num_free,
-                       "host_blocks_used": host.num_used, "host_blocks_total": host.capacity}}
+                "kv": {"device_blocks_free": st.device_blocks_free, "device_blocks_used": st.device_blocks_used,
+                       "device_blocks_total": self.facts.device_blocks, "host_blocks_free": st.host_blocks_free,
+                       "host_blocks_used": st.host_blocks_used,
+                       "host_blocks_total": st.host_blocks_free + st.host_blocks_used}}
 
     async def health(self, request: web.Request) -> web.Response:
         snap = self.snapshot()
-        return web.json_response(snap, status=200 if self.loop.healthy else 503)
+        return web.json_response(snap, status=200 if self.client.healthy else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         snap = self.snapshot()
@@ -174,7 +170,7 @@ class OpenAIServer:
             self.counts[outcome[0]] += 1
 
     def _parse(self, raw: bytes, chat: bool) -> Params:
-        return parse_body(api.load_json(raw), chat, self.tokenizer, self.engine, self.model_name, self.max_chars)
+        return parse_body(api.load_json(raw), chat, self.tokenizer, self.facts, self.model_name, self.max_chars)
 
     async def _serve(self, request: web.Request, chat: bool, arrival: float, outcome: list[str]
                      ) -> web.StreamResponse:
@@ -193,9 +189,9 @@ class OpenAIServer:
                             status=503, kind="server_overloaded").response(
                 headers={"Retry-After": str(self.retry_after_s)})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        live = Live(params.request(rid, arrival), asyncio.get_running_loop(), top_logprobs=params.logprobs or 0)
+        live = Live(params.request(rid, arrival), top_logprobs=params.logprobs or 0)
         self.in_flight += 1
-        self.loop.submit(live)
+        self.client.submit(live)
         outcome[0] = "aborted"          # unless the response is written to the end (or the engine fails it)
         try:
             result: tuple[web.StreamResponse, str] = await (
@@ -204,8 +200,7 @@ class OpenAIServer:
             return result[0]
         finally:
             self.in_flight -= 1
-            if not live.done:
-                self.loop.abort(live)
+            self.client.release(live)
 
     async def _events(self, live: Live, detok: Detokenizer, choice: ChoiceText | None = None
                       ) -> AsyncIterator[tuple[str, dict[str, list] | None, str | None]]:
@@ -227,7 +222,7 @@ class OpenAIServer:
             if finish is not None:
                 live.done = True
                 if engine_finish is None:      # a stop string the engine has not acted on yet
-                    self.loop.abort(live)
+                    self.client.abort(live)
                 return
 
     def _usage(self, live: Live, detok: Detokenizer, params: Params) -> dict:
@@ -289,11 +284,17 @@ class RunningServer:
 
     url: str
     server: OpenAIServer
+    engine_loop: EngineLoop
     runner: web.AppRunner
     loop: asyncio.AbstractEventLoop
     thread: threading.Thread
+    engine_thread: threading.Thread | None
 
     def close(self) -> None:
+        """End the engine loop after its current step, then HTTP."""
+        self.engine_loop.stop_soon()
+        if self.engine_thread is not None:
+            self.engine_thread.join(timeout=30)
         if not self.thread.is_alive():
             return
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=30)
@@ -311,9 +312,11 @@ def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port:
                     retry_after_s: int = 1, max_body_bytes: int | None = None,
                     engine_thread: bool = True) -> RunningServer:
     """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread; the engine loop gets
-    a thread of its own too unless `engine_thread=False` (then the caller runs `server.loop.run()`)."""
-    server = OpenAIServer(system, model_name, max_queue=max_queue, retry_after_s=retry_after_s,
-                          max_body_bytes=max_body_bytes, engine_thread=engine_thread)
+    a thread of its own too unless `engine_thread=False` (then the caller runs `running.engine_loop.run()`)."""
+    engine_port = QueuePort()
+    server = OpenAIServer(QueueClient(engine_port), facts_of(system), system.tokenizer, model_name,
+                          max_queue=max_queue, retry_after_s=retry_after_s, max_body_bytes=max_body_bytes)
+    engine_loop = EngineLoop(system.engine, engine_port)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None)
     loop.run_until_complete(runner.setup())
@@ -321,4 +324,8 @@ def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port:
     bound_host, bound_port = runner.addresses[0][:2]
     thread = threading.Thread(target=loop.run_forever, name="http-loop", daemon=True)
     thread.start()
-    return RunningServer(f"http://{bound_host}:{bound_port}", server, runner, loop, thread)
+    stepper = None
+    if engine_thread:
+        stepper = threading.Thread(target=engine_loop.run, name="engine-loop", daemon=True)
+        stepper.start()
+    return RunningServer(f"http://{bound_host}:{bound_port}", server, engine_loop, runner, loop, thread, stepper)

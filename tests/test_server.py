@@ -24,11 +24,33 @@ def system(tiny_llama_dir):
     return EngineSystem(str(tiny_llama_dir), "dense", {}, engine=engine, dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def server(system):
+class ProcessServer:
+    """HTTP in a process of its own (as `python -m systems.server` runs it), the engine loop on a thread here."""
+
+    def __init__(self, system, **kwargs) -> None:
+        import threading
+
+        from systems import http_process
+        from systems.engine_loop import EngineLoop
+
+        self.front = http_process.start(system, "tiny", **kwargs)
+        self.url, self.engine_loop = self.front.url, EngineLoop(system.engine, self.front.port)
+        self.thread = threading.Thread(target=self.engine_loop.run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.engine_loop.stop_soon()
+        self.thread.join(timeout=30)
+        self.front.close()
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def server(system, request):
+    """Every test here runs against both layouts: HTTP on a thread beside the engine loop, and in its own process."""
     from systems.openai_server import start_in_thread
 
-    handle = start_in_thread(system, "tiny", max_queue=MAX_QUEUE, retry_after_s=2)
+    kwargs = {"max_queue": MAX_QUEUE, "retry_after_s": 2}
+    handle = start_in_thread(system, "tiny", **kwargs) if request.param == "thread" else ProcessServer(system, **kwargs)
     yield handle
     handle.close()
 
@@ -326,54 +348,69 @@ def test_vllm_bench_serve_runs_unchanged_against_the_cli_server(tiny_llama_dir, 
 
 def test_request_larger_than_the_device_tier_is_refused_up_front(system):
     """A request that alone would outgrow the device tier gets a 400 naming the fix, not a failed engine step."""
+    import dataclasses
+
+    from systems.engine_link import facts_of, longest_fit
     from systems.openai_api import ApiError, parse_body
 
     engine = system.engine
-    small = SimpleNamespace(model=engine.model, max_model_len=engine.max_model_len, policy=engine.policy,
-                            kv=SimpleNamespace(device_blocks=SimpleNamespace(capacity=40)))
     blocks_per_page = engine.kv.num_layers * engine.kv.num_kv_heads
-    fits = 40 // blocks_per_page * engine.kv.page_size - 1          # the prompt is one token
-    body = {"prompt": [5], "max_tokens": fits}
-    assert parse_body(body, False, system.tokenizer, small, "tiny").max_tokens == fits
+    fits = 40 // blocks_per_page * engine.kv.page_size
+    assert longest_fit(lambda n: engine.policy.device_blocks_needed(n, 0), 40, engine.max_model_len) == fits
+    small = dataclasses.replace(facts_of(system), device_blocks=40, longest_fit=fits)
+    body = {"prompt": [5], "max_tokens": fits - 1}                   # the prompt is one token
+    assert parse_body(body, False, system.tokenizer, small, "tiny").max_tokens == fits - 1
     with pytest.raises(ApiError, match="--device-memory-gb") as err:
-        parse_body({**body, "max_tokens": fits + engine.kv.page_size}, False, system.tokenizer, small, "tiny")
+        parse_body({**body, "max_tokens": fits}, False, system.tokenizer, small, "tiny")
     assert err.value.status == 400 and err.value.param == "max_tokens"
 
 
+def test_longest_fit_is_the_last_length_whose_blocks_fit():
+    from systems.engine_link import longest_fit
 
-def test_engine_loop_hands_a_steps_events_to_each_http_loop_in_order_with_one_wake_up():
-    """_post_all groups a step's events by the asyncio loop of their request: one call_soon_threadsafe per loop,
-    and each request sees its own events in the order they were posted."""
+    assert longest_fit(lambda n: -(-n // 16) * 4, 40, 1000) == 160
+    assert longest_fit(lambda n: -(-n // 16) * 4, 40, 100) == 100           # the context limit first
+    assert longest_fit(lambda n: 10**6, 40, 1000) == 0
+
+
+def test_queue_port_hands_a_send_to_the_http_loop_with_one_wake_up_in_order():
+    """In one process, each send of the engine loop is one call_soon_threadsafe onto the HTTP loop; every request
+    gets its own events in order, the engine's state is the last sent, and events of a released request drop."""
     import threading
 
     from systems.base import GenerationRequest
-    from systems.engine_loop import EngineLoop, Live
+    from systems.engine_link import Live, QueueClient, QueuePort
+    from systems.engine_loop import EngineStats
 
-    loops = [asyncio.new_event_loop() for _ in range(2)]
-    threads = [threading.Thread(target=lp.run_forever, daemon=True) for lp in loops]
-    for t in threads:
-        t.start()
-    wakeups = {id(lp): 0 for lp in loops}
-    for lp in loops:
-        plain = lp.call_soon_threadsafe
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    wakeups = [0]
+    plain = loop.call_soon_threadsafe
 
-        def counted(*args, _lp=lp, _plain=plain):
-            wakeups[id(_lp)] += 1
-            return _plain(*args)
-        lp.call_soon_threadsafe = counted       # type: ignore[method-assign]
-    lives = [Live(GenerationRequest(f"r{i}", [1, 2], 4), loops[i % 2]) for i in range(3)]
+    def counted(callback, *args):
+        wakeups[0] += callback == client.deliver
+        return plain(callback, *args)
+    loop.call_soon_threadsafe = counted       # type: ignore[method-assign]
+    port = QueuePort()
+    client = QueueClient(port)
+    lives = [Live(GenerationRequest(f"r{i}", [1, 2], 4)) for i in range(3)]
+
+    async def submit_all():
+        client.start(asyncio.get_running_loop())
+        for live in lives:
+            client.submit(live)
+        client.release(lives[2])        # never ended: also aborted
     try:
+        asyncio.run_coroutine_threadsafe(submit_all(), loop).result(timeout=5)
+        assert port.receive(1.0) == [("add", live.request, 0) for live in lives] + [("abort", "r2")]
         token = [("tokens", [t], None, None, None) for t in (5, 6, 7)]
-        EngineLoop._post_all([(lives[0], token[0]), (lives[1], token[1]), (lives[2], token[2]),
-                              (lives[0], ("error", "boom"))])
-        posted = sorted(wakeups.values())
-        for lp in loops:
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), lp).result(timeout=5)
+        port.send([("r0", token[0]), ("r1", token[1]), ("r2", token[2]), ("r0", ("error", "boom"))],
+                  EngineStats(serving=True, running=2))
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=5)
         got = [[live.events.get_nowait() for _ in range(live.events.qsize())] for live in lives]
     finally:
-        for lp in loops:
-            lp.call_soon_threadsafe(lp.stop)
-        for t in threads:
-            t.join(timeout=5)
-    assert got == [[token[0], ("error", "boom")], [token[1]], [token[2]]]
-    assert posted == [1, 1]
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+    assert got == [[token[0], ("error", "boom")], [token[1]], []]
+    assert wakeups[0] == 1 and client.stats.running == 2 and client.healthy

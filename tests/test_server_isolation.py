@@ -139,11 +139,11 @@ def test_a_request_failing_in_a_shared_batch_fails_alone(any_server, monkeypatch
 def test_a_value_the_engine_refuses_never_joins_a_batch(server):
     """Defense in depth: a request that reaches the engine loop with a NaN temperature is refused there (400)."""
     from systems.base import GenerationRequest
-    from systems.engine_loop import Live
+    from systems.engine_link import Live
 
     async def submit():
-        live = Live(GenerationRequest("direct", [5, 6, 7], 4, temperature=float("nan")), asyncio.get_running_loop())
-        server.server.loop.submit(live)
+        live = Live(GenerationRequest("direct", [5, 6, 7], 4, temperature=float("nan")))
+        server.server.client.submit(live)
         return await asyncio.wait_for(live.events.get(), 10)
 
     kind, message = asyncio.run_coroutine_threadsafe(submit(), server.loop).result(15)

@@ -1,7 +1,8 @@
 """How the engine server runs: the engine loop on the thread that calls run() (the command line's main thread, which
-built the engine), HTTP on another, and a clean exit on SIGTERM."""
+built the engine), HTTP in a process of its own (or a thread), and both ending together."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ def test_engine_loop_steps_on_the_thread_that_runs_it(system):
     from systems.openai_server import start_in_thread
 
     running = start_in_thread(system, "tiny", engine_thread=False)
-    loop, stepped_on = running.server.loop, set()
+    loop, stepped_on = running.engine_loop, set()
     engine_step = loop.engine.step
 
     def step():
@@ -79,3 +80,73 @@ def test_cli_server_stops_cleanly_on_sigterm(tiny_llama_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_http_process_and_engine_loop_end_together(system):
+    """HTTP in a process of its own: /health follows the engine loop (503 once it ended), closing the pipe ends the
+    HTTP process with code 0, and an HTTP process that dies ends the engine loop instead of leaving it serving
+    no one."""
+    from systems import http_process
+    from systems.engine_loop import EngineLoop
+
+    front = http_process.start(system, "tiny")
+    loop = EngineLoop(system.engine, front.port)
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    try:
+        reply = httpx.post(front.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": "The quick", "max_tokens": 3, "temperature": 0})
+        assert reply.status_code == 200 and httpx.get(front.url + "/health").status_code == 200
+        loop.stop_soon()
+        runner.join(timeout=10)
+        deadline = time.monotonic() + 10
+        while httpx.get(front.url + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(front.url + "/health").json()["status"] == "error"
+    finally:
+        loop.stop_soon()
+        front.close()
+    assert front.process.exitcode == 0
+
+    front = http_process.start(system, "tiny")
+    loop = EngineLoop(system.engine, front.port)
+    runner = threading.Thread(target=loop.run)
+    runner.start()
+    try:
+        assert httpx.get(front.url + "/health").status_code in (200, 503)
+        front.process.kill()
+        runner.join(timeout=10)
+        assert not runner.is_alive()
+    finally:
+        loop.stop_soon()
+        front.close()
+
+
+def test_a_port_in_use_is_refused_before_serving(system):
+    from systems import http_process
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError):
+            http_process.start(system, "tiny", port=s.getsockname()[1])
+
+
+def test_the_command_line_sets_the_spin_count_before_torch_loads(tmp_path):
+    """GOMP_SPINCOUNT is read once, when torch loads libgomp: importing the server module must not load torch, and
+    main() sets the count (over the environment's) before anything that does."""
+    probe = ("import os, sys\n"
+             "import systems.server as server\n"
+             "assert 'torch' not in sys.modules, 'importing systems.server loaded torch'\n"
+             "import builtins\n"
+             "real = builtins.__import__\n"
+             "def watch(name, *a, **k):\n"
+             "    if name == 'torch' and 'torch' not in sys.modules:\n"
+             "        print('spin at torch load', os.environ.get('GOMP_SPINCOUNT'), flush=True)\n"
+             "    return real(name, *a, **k)\n"
+             "builtins.__import__ = watch\n"
+             f"sys.exit(server.main(['--model', {str(tmp_path)!r}, '--omp-spin-count', '12345']))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "GOMP_SPINCOUNT": "7"})
+    assert out.returncode == 2 and "has no config.json" in out.stderr, out.stderr
+    assert "spin at torch load 12345" in out.stdout
