@@ -2,11 +2,11 @@
 
 The engine is not thread-safe, so every engine call happens on one thread, the one that runs `run()`; the HTTP side
 (systems.openai_server) reaches it only through a port (systems.engine_link): a queue when both live in one process,
-a pipe when HTTP runs in a process of its own, as `python -m systems.server` does. That thread is best the one that
-built the engine: torch's OpenMP runtime keeps one worker team per thread that ran parallel work, and two teams on a
-machine's cores throttle the workers' spin-waiting, so the hundreds of short parallel ops of a step each wake
-sleeping workers (on 2 cores a 256-token mixed step took 8-20 % longer and kept 1.7 cores busy instead of 2.0 when
-stepped from a second thread).
+a pipe when HTTP runs in a process of its own (`python -m systems.server --front-end process`). That thread is best
+the one that built the engine: torch's OpenMP runtime keeps one worker team per thread that ran parallel work, and
+two teams on a machine's cores throttle the workers' spin-waiting, so the hundreds of short parallel ops of a step
+each wake sleeping workers (on 2 cores a 256-token mixed step took 8-20 % longer and kept 1.7 cores busy instead of
+2.0 when stepped from a second thread).
 
 One request's failure is its own: the engine finishes a failing sequence with finish_reason "error" and goes on
 with the rest of the batch (Engine.step), and this loop sends that error to that request alone. A request the

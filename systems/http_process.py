@@ -1,10 +1,11 @@
-"""HTTP in a process of its own, so the engine's process keeps its cores, its GIL and its OpenMP team to the step.
+"""HTTP in a process of its own (`python -m systems.server --front-end process`), as vLLM splits off its API server.
 
-With HTTP on a thread beside the engine loop, every SSE write, JSON parse and detokenize took the GIL from the thread
-that launches the step's parallel ops while the OpenMP worker waited at a barrier: at 4 req/s of streamed requests
-the engine server kept 1.8 of 2 cores busy where the same steps without a server keep 2.0. vLLM splits its API
-server off the same way. The two processes share one pipe (systems.engine_link): requests and aborts one way, each
-step's tokens and the engine's state the other.
+The engine's process then keeps its GIL to the step: no SSE write, JSON parse or detokenize runs between its ops, and
+an HTTP crash cannot take the engine's memory with it. It is not faster here: at 4 req/s of streamed 16 x (512 + 64)
+requests on 2 cores (3 alternating rounds), mean TPOT was 73.1-80.9 ms against 71.4-71.9 ms with HTTP on a thread
+(both with libgomp's default spin; torch's ops release the GIL, and a process switch costs more than a thread's), so
+the thread stays the default. The two processes share one pipe (systems.engine_link): requests and aborts one way,
+each step's tokens and the engine's state the other.
 
 The HTTP process ignores SIGINT and SIGTERM: it ends when the engine's end of the pipe closes, so stopping the
 engine process (however it is stopped, even killed) stops both, and a request in flight gets an error, not a hang.

@@ -8,8 +8,8 @@ Routes: POST /v1/completions (`logprobs`, `echo`: systems/openai_logprobs.py), P
 One thread (systems.engine_loop) owns the engine (it is not thread-safe): it takes new requests and aborts through a
 link (systems.engine_link), steps while any request exists, and sends each step's new tokens back, which land on the
 request's asyncio queue. From the command line the engine loop runs on the main thread of the process that built the
-engine and HTTP in a process of its own (systems.http_process); `start_in_thread` keeps both in this process for
-tests and notebooks.
+engine and HTTP on a second thread (`start_in_thread(engine_thread=False)`), or in a process of its own
+(systems.http_process).
 Every token becomes one SSE chunk, so a client's inter-chunk gaps are the engine's per-token gaps (what vLLM's bench
 measures as ITL); the chunk carrying the last token also carries `finish_reason`.
 

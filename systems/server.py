@@ -1,8 +1,8 @@
 """`python -m systems.server`: the OpenAI-compatible engine server (systems/openai_server.py) from the command line.
 
 Arguments are checked before any model load; then the engine loop runs on the main thread, which built the engine
-(systems/engine_loop.py says why), and HTTP in a process of its own (systems/http_process.py says why), or with
-`--front-end thread` on a second thread of this process. SIGINT / SIGTERM end the engine loop after its current
+(systems/engine_loop.py says why), and HTTP on a second thread, or with `--front-end process` in a process of its
+own (systems/http_process.py says what that buys and costs). SIGINT / SIGTERM end the engine loop after its current
 step, then HTTP.
 
 OpenMP spin-waiting: the server's engine process keeps libgomp's own default (spin 300,000 iterations before a
@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind in (("page-size", int), ("device-memory-gb", float), ("host-memory-gb", float),
                        ("max-num-seqs", int), ("max-num-batched-tokens", int), ("threads", int)):
         p.add_argument(f"--{flag}", type=kind, help="engine setting, over --engine (default: the engine's)")
-    p.add_argument("--front-end", choices=("process", "thread"), default="process",
-                   help="where HTTP runs: a process of its own (default) or a thread beside the engine loop")
+    p.add_argument("--front-end", choices=("thread", "process"), default="thread",
+                   help="where HTTP runs: a thread beside the engine loop (default, faster on 2 cores) or a process "
+                        "of its own")
     p.add_argument("--omp-spin-count", type=int, default=LIBGOMP_SPIN_COUNT,
                    help="GOMP_SPINCOUNT for the engine's OpenMP team, over the environment's (default: libgomp's "
                         f"own, {LIBGOMP_SPIN_COUNT})")
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):      # end the engine loop; HTTP is closed after it
         signal.signal(sig, lambda *_: engine_loop.stop_soon())
-    log.info("serving %s (policy %s %s) on %s, HTTP in a %s of its own, GOMP_SPINCOUNT %d", name, args.policy,
+    log.info("serving %s (policy %s %s) on %s, HTTP on a %s, GOMP_SPINCOUNT %d", name, args.policy,
              params, url, args.front_end, args.omp_spin_count)
     try:
         engine_loop.run()        # the engine steps on the thread that built it

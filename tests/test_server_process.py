@@ -1,5 +1,5 @@
 """How the engine server runs: the engine loop on the thread that calls run() (the command line's main thread, which
-built the engine), HTTP in a process of its own (or a thread), and both ending together."""
+built the engine), HTTP on another thread or in a process of its own, and both ending together."""
 from __future__ import annotations
 
 import os
@@ -54,15 +54,16 @@ def test_engine_loop_steps_on_the_thread_that_runs_it(system):
         running.close()
 
 
-def test_cli_server_stops_cleanly_on_sigterm(tiny_llama_dir):
-    """`python -m systems.server` steps its engine on the main thread and serves HTTP from a second one; SIGTERM ends
-    the engine loop, then HTTP, and the process exits 0."""
+@pytest.mark.parametrize("front_end", ["thread", "process"])
+def test_cli_server_stops_cleanly_on_sigterm(tiny_llama_dir, front_end):
+    """`python -m systems.server` steps its engine on the main thread and serves HTTP from a second thread or a
+    process of its own; SIGTERM ends the engine loop, then HTTP, and the process exits 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "systems.server", "--model", str(tiny_llama_dir),
                              "--served-model-name", "tiny", "--port", str(port), "--dtype", "float32",
-                             "--device-memory-gb", "0.05", "--host-memory-gb", "0.05"])
+                             "--device-memory-gb", "0.05", "--host-memory-gb", "0.05", "--front-end", front_end])
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:

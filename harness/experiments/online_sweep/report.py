@@ -200,9 +200,10 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                  "threads ran for at least 10 % of it; CPUs = the cores its processes may use (all from /proc). "
                  "Both servers get the same cores, device KV capacity (`engine.device_memory_gb`; vLLM's "
                  "kv_cache_memory_bytes), max_num_seqs and max_num_batched_tokens; vLLM runs in its default "
-                 "execution mode unless `system.vllm_execution=eager`. Both serve HTTP from a process of their own "
-                 "and leave libgomp's spin-waiting at its default (an OpenMP worker spins 300,000 iterations before "
-                 "it sleeps; that spinning counts as busy, on both sides).")
+                 "execution mode unless `system.vllm_execution=eager`. vLLM serves HTTP from a process of its own, "
+                 "the engine server from a thread beside its engine loop (measured faster on 2 cores than a process "
+                 "of its own); both leave libgomp's spin-waiting at its default (an OpenMP worker spins 300,000 "
+                 "iterations before it sleeps; that spinning counts as busy, on both sides).")
     summary.text("Definitions (`vllm bench serve`): TTFT = first token chunk − request start; TPOT = (E2EL − TTFT) / "
                  "(output tokens − 1) per request; ITL = gaps between consecutive token chunks pooled over requests; "
                  "E2EL = last token chunk − start; req/s and tok/s over the rate's wall time; peak concurrency = the "
