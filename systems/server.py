@@ -21,8 +21,9 @@ import os
 import signal
 import sys
 
+from systems import SERVER_SPIN_COUNT
+
 log = logging.getLogger("kvharness.server")
-LIBGOMP_SPIN_COUNT = 300_000      # libgomp's default when OMP_WAIT_POLICY is unset
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--front-end", choices=("thread", "process"), default="thread",
                    help="where HTTP runs: a thread beside the engine loop (default, faster on 2 cores) or a process "
                         "of its own")
-    p.add_argument("--omp-spin-count", type=int, default=LIBGOMP_SPIN_COUNT,
+    p.add_argument("--omp-spin-count", type=int, default=SERVER_SPIN_COUNT,
                    help="GOMP_SPINCOUNT for the engine's OpenMP team, over the environment's (default: libgomp's "
-                        f"own, {LIBGOMP_SPIN_COUNT})")
+                        f"own, {SERVER_SPIN_COUNT})")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="prefill each prompt whole in its own step instead of in chunks beside the decodes")
     return p

