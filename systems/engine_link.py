@@ -1,8 +1,9 @@
-"""How the HTTP side and the engine loop talk: in one process (a queue in, events posted onto the event loop) or
-across two (one pipe), behind the same EngineClient on the HTTP side and EnginePort on the engine's.
+"""How the HTTP side and the engine loop talk, in one process (a queue) or across two (a pipe).
 
-The HTTP side never touches the engine object: what it checks requests against is `EngineFacts` (fixed when the
-server starts) and what /health shows is the latest `EngineStats` the loop sent.
+Both sides see the same API whichever the link: EngineClient on the HTTP side, EnginePort on the engine's. The HTTP
+side never touches the engine object: what it checks requests against is `EngineFacts` (fixed when the server starts)
+and what /health shows is the latest `EngineStats` the loop sent. Once the loop has served and stopped, every request
+still waiting and every new one gets ('error', ...) at once, so no client waits forever.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from systems.base import GenerationRequest
-from systems.engine_loop import EngineStats, Event
+from systems.engine_loop import EngineStats, Event, engine_stats
 
 
 @dataclass(frozen=True)
@@ -27,28 +28,15 @@ class EngineFacts:
     max_model_len: int
     max_num_seqs: int
     device_blocks: int          # the device tier's capacity
-    longest_fit: int            # the longest sequence (prompt + output) whose blocks alone fit the device tier
-
-
-def longest_fit(blocks_needed: Any, capacity: int, limit: int) -> int:
-    """The longest length n <= limit with blocks_needed(n) <= capacity (0 if none); blocks_needed grows with n."""
-    lo, hi = 0, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if blocks_needed(mid) <= capacity:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    idle: EngineStats           # the engine's state before its loop first sends one (not serving yet)
 
 
 def facts_of(system: Any) -> EngineFacts:
-    """An EngineSystem's facts; the fit follows the policy's own rule (a budget caps it for eviction policies)."""
+    """An EngineSystem's facts."""
     engine = system.engine
-    capacity = engine.kv.device_blocks.capacity
     return EngineFacts(system.model_dir, type(engine.policy).__name__, engine.model.spec.vocab_size,
-                       engine.max_model_len, engine.scheduler.max_num_seqs, capacity,
-                       longest_fit(lambda n: engine.policy.device_blocks_needed(n, 0), capacity, engine.max_model_len))
+                       engine.max_model_len, engine.scheduler.max_num_seqs, engine.kv.device_blocks.capacity,
+                       engine_stats(engine, serving=False))
 
 
 @dataclass
@@ -64,14 +52,18 @@ class Live:
 class EngineClient:
     """The HTTP side's end; every method runs on the HTTP event loop's thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: EngineStats | None = None) -> None:
         self.lives: dict[str, Live] = {}
-        self.stats = EngineStats()
+        self.stats = stats or EngineStats()
+        self.ended = ""           # why the engine loop is over ('' while it may still serve)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Begin taking the engine's sends on `loop`."""
 
     def submit(self, live: Live) -> None:
+        if self.ended:
+            live.events.put_nowait(("error", self.ended))
+            return
         self.lives[live.request.request_id] = live
         self._send(("add", live.request, live.top_logprobs))
 
@@ -90,11 +82,21 @@ class EngineClient:
         return self.stats.serving
 
     def deliver(self, events: list[Event], stats: EngineStats) -> None:
-        self.stats = stats
+        served, self.stats = self.stats.serving, stats
         for rid, event in events:
             live = self.lives.get(rid)
             if live is not None:           # else released already: nobody is listening
                 live.events.put_nowait(event)
+        if served and not stats.serving:
+            self.end("the engine loop ended")
+
+    def end(self, why: str) -> None:
+        """The engine loop is over: fail whoever still waits, and every request from now on."""
+        self.ended = why
+        self.stats = EngineStats(serving=False, running=0, last_error=self.stats.last_error or why)
+        for live in self.lives.values():
+            live.events.put_nowait(("error", why))
+        self.lives.clear()
 
     def _send(self, message: tuple) -> None:
         raise NotImplementedError
@@ -134,8 +136,8 @@ class QueuePort:
 class QueueClient(EngineClient):
     """The HTTP side's end of a QueuePort."""
 
-    def __init__(self, port: QueuePort) -> None:
-        super().__init__()
+    def __init__(self, port: QueuePort, stats: EngineStats | None = None) -> None:
+        super().__init__(stats)
         self.port = port
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -147,38 +149,44 @@ class QueueClient(EngineClient):
 
 
 class PipePort:
-    """The engine loop's end of a pipe to an HTTP process."""
+    """The engine loop's end of a pipe to an HTTP process; a dead or closed other end reads as EOFError."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
     def receive(self, timeout: float) -> list[tuple]:
         out = []
-        if self.conn.poll(timeout):
-            out.append(self.conn.recv())            # EOFError once the HTTP process is gone
-            while self.conn.poll():
+        try:
+            if self.conn.poll(timeout):
                 out.append(self.conn.recv())
+                while self.conn.poll():
+                    out.append(self.conn.recv())
+        except OSError as exc:          # reset by a process that died with messages unread
+            raise EOFError(str(exc)) from exc
         return out
 
     def send(self, events: list[Event], stats: EngineStats) -> None:
-        self.conn.send((events, stats))
+        try:
+            self.conn.send((events, stats))
+        except OSError as exc:          # broken pipe: the HTTP process is gone
+            raise EOFError(str(exc)) from exc
 
 
 class PipeClient(EngineClient):
     """The HTTP process's end of a pipe to the engine loop. Sends go through a thread of their own, so the event
-    loop never blocks writing while the engine blocks writing the other way; `closed` is set once the engine's end
-    is gone, and every live request then fails."""
+    loop never blocks writing while the engine blocks writing the other way; `engine_gone` is done once the engine's
+    end is closed, and every live request then fails."""
 
-    def __init__(self, conn: Connection) -> None:
-        super().__init__()
+    def __init__(self, conn: Connection, stats: EngineStats | None = None) -> None:
+        super().__init__(stats)
         self.conn = conn
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.closed: asyncio.Future | None = None
+        self.engine_gone: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sender = threading.Thread(target=self._send_all, name="engine-pipe-send", daemon=True)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop, self.closed = loop, loop.create_future()
+        self._loop, self.engine_gone = loop, loop.create_future()
         loop.add_reader(self.conn.fileno(), self._readable)
         self._sender.start()
 
@@ -200,13 +208,11 @@ class PipeClient(EngineClient):
             self._gone()
 
     def _gone(self) -> None:
-        assert self._loop is not None and self.closed is not None
+        assert self._loop is not None and self.engine_gone is not None
         self._loop.remove_reader(self.conn.fileno())
-        self.stats = EngineStats(serving=False, last_error=self.stats.last_error or "the engine loop ended")
-        for live in self.lives.values():
-            live.events.put_nowait(("error", "the engine loop ended"))
-        if not self.closed.done():
-            self.closed.set_result(None)
+        self.end(self.ended or "the engine process closed its end")
+        if not self.engine_gone.done():
+            self.engine_gone.set_result(None)
 
     def close(self) -> None:
         self.outbox.put(None)

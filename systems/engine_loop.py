@@ -10,10 +10,12 @@ each wake sleeping workers (on 2 cores a 256-token mixed step took 8-20 % longer
 
 One request's failure is its own: the engine finishes a failing sequence with finish_reason "error" and goes on
 with the rest of the batch (Engine.step), and this loop sends that error to that request alone. A request the
-engine refuses at add_request (a value the HTTP checks missed) gets ('invalid', msg) and never joins a batch. Only a
-failure outside any one sequence (a bug in the step itself) still fails every live request.
+engine refuses at add_request (a value the HTTP checks missed), or one that alone would outgrow the device tier by
+the policy's own rule, gets ('invalid', msg, param) and never joins a batch. Only a failure outside any one sequence
+(a bug in the step itself) still fails every live request. When the loop ends, every request it still holds gets
+('error', ...) and is taken out of the engine, so none waits forever.
 
-Events, per request id: ('tokens', ids, finish, entries, prompt_entries), ('error', msg) or ('invalid', msg).
+Events, per request id: ('tokens', ids, finish, entries, prompt_entries), ('error', msg) or ('invalid', msg, param).
 `entries`: the new tokens' log-probabilities when the request keeps them (logprob_steps), else None;
 `prompt_entries`: the prompt's (request.prompt_logprobs), in the first event only. Each send also carries the
 engine's state (`EngineStats`), which is all /health and /metrics know of the engine.
@@ -48,12 +50,18 @@ class EngineStats:
     last_error: str = ""
 
 
+def engine_stats(engine: Engine, serving: bool, last_error: str = "") -> EngineStats:
+    dev, host = engine.kv.device_blocks, engine.kv.host_blocks
+    return EngineStats(serving, len(engine.scheduler.running), dev.num_free, dev.num_used, host.num_free, host.num_used,
+                       last_error)
+
+
 class EnginePort(Protocol):
     """The engine loop's end of a link to the HTTP side."""
 
     def receive(self, timeout: float) -> list[tuple]:
         """Messages sent so far: ('add', request, top_logprobs) or ('abort', request_id); waits up to `timeout`
-        seconds for the first when there are none. Raises EOFError once the other side is gone."""
+        seconds for the first when there are none. Raises EOFError once the other side is gone (so does send)."""
 
     def send(self, events: list[Event], stats: EngineStats) -> None:
         """Hand events (in order) and the engine's state to the HTTP side."""
@@ -78,6 +86,7 @@ class EngineLoop:
         self._stop = False
         self._serving = False
         self.last_error = ""      # the latest failure (one request's, or a whole step's); the loop kept serving
+        self.http_gone = False    # the loop ended because the HTTP side went away, not because it was asked to
         self._stats_sent: EngineStats | None = None
 
     def run(self) -> None:
@@ -86,12 +95,16 @@ class EngineLoop:
         try:
             self._run()
         except EOFError:
-            log.info("the HTTP side is gone; the engine loop ends")
+            self.http_gone = True
+            log.error("the HTTP side is gone; the engine loop ends")
         finally:
             self._serving = False
+            ended = list(self._live)
+            for rid in ended:
+                self._drop(rid)
             try:
-                self.port.send([], self.stats())
-            except (OSError, EOFError):      # nobody left to tell
+                self.port.send([(rid, ("error", "the engine loop ended")) for rid in ended], self.stats())
+            except EOFError:      # nobody left to tell
                 pass
 
     def stop_soon(self) -> None:
@@ -100,10 +113,7 @@ class EngineLoop:
         self._stop = True
 
     def stats(self) -> EngineStats:
-        kv = self.engine.kv
-        dev, host = kv.device_blocks, kv.host_blocks
-        return EngineStats(self._serving, len(self.engine.scheduler.running), dev.num_free, dev.num_used,
-                           host.num_free, host.num_used, self.last_error)
+        return engine_stats(self.engine, self._serving, self.last_error)
 
     def _run(self) -> None:
         self.port.send([], self.stats())       # serving from now on
@@ -121,14 +131,14 @@ class EngineLoop:
                 failed = list(self._live.values())
                 for tracked in failed:
                     self._drop(tracked.request.request_id)
-                self._send([(t.request.request_id, ("error", self.last_error)) for t in failed], force=True)
+                self._send([(t.request.request_id, ("error", self.last_error)) for t in failed])
                 continue
             self._publish()
 
-    def _send(self, events: list[Event], force: bool = False) -> None:
-        """Events always go; the state alone only when it changed (an idle loop wakes ten times a second)."""
+    def _send(self, events: list[Event]) -> None:
+        """Events always go; the state alone only when it changed (each send wakes the HTTP side)."""
         stats = self.stats()
-        if events or force or stats != self._stats_sent:
+        if events or stats != self._stats_sent:
             self.port.send(events, stats)
             self._stats_sent = stats
 
@@ -140,10 +150,14 @@ class EngineLoop:
                 continue
             _, request, top_logprobs = message
             rid = request.request_id
+            too_big = self._outgrows_device_tier(request)
+            if too_big:
+                refused.append((rid, ("invalid", too_big, "max_tokens")))
+                continue
             try:
                 seq = self.engine.add_request(request, arrival_time=request.arrival_time)
             except ValueError as exc:         # the engine's own gate: the request is refused, the batch untouched
-                refused.append((rid, ("invalid", str(exc))))
+                refused.append((rid, ("invalid", str(exc), None)))
                 continue
             except Exception as exc:  # noqa: BLE001 - the request is refused, the engine is untouched
                 refused.append((rid, ("error", f"{type(exc).__name__}: {exc}")))
@@ -151,6 +165,16 @@ class EngineLoop:
             self._live[rid] = Tracked(request, top_logprobs, seq)
         if refused:
             self._send(refused)
+
+    def _outgrows_device_tier(self, request: GenerationRequest) -> str:
+        """Why the request alone would outgrow the device tier once all its tokens are decoded (by the policy's own
+        rule: a budget caps it for eviction policies), failing the step it runs in; '' when it fits."""
+        need = self.engine.policy.device_blocks_needed(len(request.prompt_token_ids) + request.max_new_tokens, 0)
+        capacity = self.engine.kv.device_blocks.capacity
+        if need <= capacity:
+            return ""
+        return (f"the request needs {need} device KV blocks but the server's device tier holds {capacity}; lower "
+                "max_tokens, shorten the prompt, or restart the server with a larger --device-memory-gb")
 
     def _publish(self) -> None:
         events: list[Event] = []
@@ -175,7 +199,7 @@ class EngineLoop:
                 if finished:
                     del self._live[rid]
         finally:        # what was gathered before a failure still reaches its clients
-            self._send(events, force=True)
+            self._send(events)
 
     @staticmethod
     def _entries(tracked: Tracked, n: int) -> list[Entry] | None:

@@ -8,7 +8,8 @@ the thread stays the default. The two processes share one pipe (systems.engine_l
 each step's tokens and the engine's state the other.
 
 The HTTP process ignores SIGINT and SIGTERM: it ends when the engine's end of the pipe closes, so stopping the
-engine process (however it is stopped, even killed) stops both, and a request in flight gets an error, not a hang.
+engine process (however it is stopped, even killed) stops both, and a request in flight gets an error, not a hang;
+an HTTP process that dies ends the engine loop (`python -m systems.server` then exits 1).
 """
 from __future__ import annotations
 
@@ -42,15 +43,15 @@ class FrontEnd:
 
 @dataclass
 class HttpProcess:
-    """A running HTTP process; `port` is the engine loop's end of its pipe."""
+    """A running HTTP process; `engine_end` is the engine loop's end of its pipe."""
 
     url: str
     process: BaseProcess
-    port: PipePort
+    engine_end: PipePort
 
     def close(self) -> None:
         """Close the pipe (the HTTP process then finishes its responses and exits) and wait for it."""
-        self.port.conn.close()
+        self.engine_end.conn.close()
         self.process.join(timeout=30)
         if self.process.is_alive():
             self.process.terminate()
@@ -72,7 +73,9 @@ def start(system: Any, model_name: str, host: str = "127.0.0.1", port: int = 0, 
             raise RuntimeError(f"the HTTP process did not start within {STARTUP_TIMEOUT_S} s")
         kind, detail = engine_end.recv()
     except EOFError:
-        raise RuntimeError(f"the HTTP process exited with code {process.exitcode} before serving") from None
+        process.join(timeout=10)
+        raise RuntimeError(f"the HTTP process exited with code {process.exitcode} before serving; its log says "
+                           "why") from None
     except BaseException:
         process.terminate()
         raise
@@ -93,7 +96,7 @@ def serve(conn: Connection, front: FrontEnd) -> None:
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = AutoTokenizer.from_pretrained(front.facts.model_dir)
-    client = PipeClient(conn)
+    client = PipeClient(conn, front.facts.idle)
     server = OpenAIServer(client, front.facts, tokenizer, front.model_name, max_queue=front.max_queue,
                           retry_after_s=front.retry_after_s, max_body_bytes=front.max_body_bytes)
     loop = asyncio.new_event_loop()
@@ -106,9 +109,9 @@ def serve(conn: Connection, front: FrontEnd) -> None:
         return
     host, port = runner.addresses[0][:2]
     conn.send(("ready", f"http://{host}:{port}"))
-    assert client.closed is not None            # set by the app's startup
+    assert client.engine_gone is not None            # set by the app's startup
     try:
-        loop.run_until_complete(client.closed)
+        loop.run_until_complete(client.engine_gone)
         loop.run_until_complete(runner.cleanup())
     finally:
         client.close()

@@ -221,7 +221,8 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def parse_body(body: Any, chat: bool, tokenizer: Any, facts: EngineFacts, model_name: str,
                max_chars: int | None = None) -> Params:
-    """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix.
+    """Everything checkable before the engine sees the request; raises ApiError naming the field and the fix. (Whether
+    the request alone fits the device tier takes the policy's own rule, so the engine loop checks that.)
     `max_chars`: the longest text prompt worth tokenizing (see max_prompt_chars); None tokenizes any."""
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -266,13 +267,6 @@ def parse_body(body: Any, chat: bool, tokenizer: Any, facts: EngineFacts, model_
         raise ApiError(f"this model's maximum context length is {limit} tokens, but {len(ids)} prompt + "
                        f"{max_tokens} completion tokens were requested; lower {key} or shorten the prompt",
                        param=key)
-    # Its footprint once all max_tokens are decoded, by the policy's own rule (a budget caps it for eviction
-    # policies): a sequence that alone outgrows the device tier would fail the engine step it runs in.
-    if len(ids) + max(max_tokens, 1) > facts.longest_fit:
-        raise ApiError(f"the request needs {len(ids)} prompt + {max_tokens} completion tokens of KV but the server's "
-                       f"device tier ({facts.device_blocks} blocks) holds at most {facts.longest_fit} tokens of one "
-                       f"sequence under policy {facts.policy}; lower {key}, shorten the prompt, or restart the "
-                       "server with a larger --device-memory-gb", param=key)
     return Params(prompt_ids=ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                   seed=random.getrandbits(31) if seed is None else seed, stop=stop,
                   ignore_eos=ignore_eos, stream=stream, include_usage=include_usage, logprobs=logprobs, echo=echo,

@@ -209,7 +209,7 @@ class OpenAIServer:
             event = await live.events.get()
             if event[0] == "invalid":         # refused by the engine's own checks: it never joined a batch
                 live.done = True
-                raise ApiError(event[1])
+                raise ApiError(event[1], param=event[2])
             if event[0] == "error":           # this request's sequence failed; the others went on
                 live.done = True
                 raise ApiError(f"generation failed: {event[1]}", status=500, kind="internal_error")
@@ -313,8 +313,8 @@ def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port:
                     engine_thread: bool = True) -> RunningServer:
     """Serve `system` (an EngineSystem) on host:port (0 = a free port) from a background thread; the engine loop gets
     a thread of its own too unless `engine_thread=False` (then the caller runs `running.engine_loop.run()`)."""
-    engine_port = QueuePort()
-    server = OpenAIServer(QueueClient(engine_port), facts_of(system), system.tokenizer, model_name,
+    engine_port, facts = QueuePort(), facts_of(system)
+    server = OpenAIServer(QueueClient(engine_port, facts.idle), facts, system.tokenizer, model_name,
                           max_queue=max_queue, retry_after_s=retry_after_s, max_body_bytes=max_body_bytes)
     engine_loop = EngineLoop(system.engine, engine_port)
     loop = asyncio.new_event_loop()
@@ -328,4 +328,7 @@ def start_in_thread(system: Any, model_name: str, host: str = "127.0.0.1", port:
     if engine_thread:
         stepper = threading.Thread(target=engine_loop.run, name="engine-loop", daemon=True)
         stepper.start()
+        deadline = time.monotonic() + 30          # healthy once returned: the loop's first send has landed
+        while not server.client.healthy and time.monotonic() < deadline:
+            time.sleep(0.005)
     return RunningServer(f"http://{bound_host}:{bound_port}", server, engine_loop, runner, loop, thread, stepper)

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             from systems.engine_loop import EngineLoop
 
             front = http_process.start(system, name, args.host, args.port, args.max_queue, args.retry_after, max_body)
-            engine_loop, url, close = EngineLoop(system.engine, front.port), front.url, front.close
+            engine_loop, url, close = EngineLoop(system.engine, front.engine_end), front.url, front.close
         else:
             running = openai_server.start_in_thread(system, name, args.host, args.port, args.max_queue,
                                                     args.retry_after, max_body, engine_thread=False)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_loop.run()        # the engine steps on the thread that built it
     finally:
         close()
-    return 0
+    return 1 if engine_loop.http_gone else 0
 
 if __name__ == "__main__":
     sys.exit(main())

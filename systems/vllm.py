@@ -315,20 +315,20 @@ def _serve_entry() -> list[str]:
 def serve(model_dir: str | os.PathLike, port: int, *, dtype: str = "auto", max_model_len: int = 8192,
           kv_cache_space_gb: float = 4, max_num_seqs: int = 128, served_model_name: str | None = None,
           enforce_eager: bool = False, omp_threads_bind: str | None = None, extra_args: Sequence[str] = (),
-          startup_timeout_s: float = 600,
-          log_path: str | os.PathLike | None = None) -> VLLMServer:
+          startup_timeout_s: float = 600, log_path: str | os.PathLike | None = None,
+          spin_count: int = SERVER_SPIN_COUNT) -> VLLMServer:
     """Start `vllm serve` on 127.0.0.1:`port` (prefix caching off) and wait until /health answers.
 
-    The server's output goes to `log_path` (a temporary file by default); `close()` stops it."""
+    `spin_count`: GOMP_SPINCOUNT of its worker; libgomp's default, as a user's shell runs vLLM and the engine's server
+    runs, not the short spin this process carries (systems/__init__.py). The server's output goes to `log_path` (a
+    temporary file by default); `close()` stops it."""
     path = _check_model_dir(model_dir)
     import importlib.util
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(f"vLLM is not installed; {INSTALL_HINT}")
     model_name = served_model_name or path.name
     env = _vllm_env(dict(os.environ), omp_threads_bind)
-    # libgomp's default spin for vLLM's worker, as a user's shell gives it, not the short spin this process carries
-    # (systems/__init__.py); the engine's server gets the same
-    env["GOMP_SPINCOUNT"] = str(SERVER_SPIN_COUNT)
+    env["GOMP_SPINCOUNT"] = str(spin_count)
     cmd = [sys.executable, "-m", *_serve_entry(), str(path), "--host", "127.0.0.1", "--port", str(port),
            "--no-enable-prefix-caching", "--dtype", _dtype_name(dtype),
            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),

@@ -34,7 +34,7 @@ class ProcessServer:
         from systems.engine_loop import EngineLoop
 
         self.front = http_process.start(system, "tiny", **kwargs)
-        self.url, self.engine_loop = self.front.url, EngineLoop(system.engine, self.front.port)
+        self.url, self.engine_loop = self.front.url, EngineLoop(system.engine, self.front.engine_end)
         self.thread = threading.Thread(target=self.engine_loop.run, daemon=True)
         self.thread.start()
 
@@ -346,71 +346,17 @@ def test_vllm_bench_serve_runs_unchanged_against_the_cli_server(tiny_llama_dir, 
         proc.wait(30)
 
 
-def test_request_larger_than_the_device_tier_is_refused_up_front(system):
-    """A request that alone would outgrow the device tier gets a 400 naming the fix, not a failed engine step."""
-    import dataclasses
-
-    from systems.engine_link import facts_of, longest_fit
-    from systems.openai_api import ApiError, parse_body
-
+def test_request_larger_than_the_device_tier_is_refused_before_it_joins_a_batch(server, system):
+    """A request that alone would outgrow the device tier (by the policy's own rule) gets a 400 naming the fix from
+    the engine loop, not a failed engine step; one token less fits."""
     engine = system.engine
-    blocks_per_page = engine.kv.num_layers * engine.kv.num_kv_heads
-    fits = 40 // blocks_per_page * engine.kv.page_size
-    assert longest_fit(lambda n: engine.policy.device_blocks_needed(n, 0), 40, engine.max_model_len) == fits
-    small = dataclasses.replace(facts_of(system), device_blocks=40, longest_fit=fits)
-    body = {"prompt": [5], "max_tokens": fits - 1}                   # the prompt is one token
-    assert parse_body(body, False, system.tokenizer, small, "tiny").max_tokens == fits - 1
-    with pytest.raises(ApiError, match="--device-memory-gb") as err:
-        parse_body({**body, "max_tokens": fits}, False, system.tokenizer, small, "tiny")
-    assert err.value.status == 400 and err.value.param == "max_tokens"
-
-
-def test_longest_fit_is_the_last_length_whose_blocks_fit():
-    from systems.engine_link import longest_fit
-
-    assert longest_fit(lambda n: -(-n // 16) * 4, 40, 1000) == 160
-    assert longest_fit(lambda n: -(-n // 16) * 4, 40, 100) == 100           # the context limit first
-    assert longest_fit(lambda n: 10**6, 40, 1000) == 0
-
-
-def test_queue_port_hands_a_send_to_the_http_loop_with_one_wake_up_in_order():
-    """In one process, each send of the engine loop is one call_soon_threadsafe onto the HTTP loop; every request
-    gets its own events in order, the engine's state is the last sent, and events of a released request drop."""
-    import threading
-
-    from systems.base import GenerationRequest
-    from systems.engine_link import Live, QueueClient, QueuePort
-    from systems.engine_loop import EngineStats
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    wakeups = [0]
-    plain = loop.call_soon_threadsafe
-
-    def counted(callback, *args):
-        wakeups[0] += callback == client.deliver
-        return plain(callback, *args)
-    loop.call_soon_threadsafe = counted       # type: ignore[method-assign]
-    port = QueuePort()
-    client = QueueClient(port)
-    lives = [Live(GenerationRequest(f"r{i}", [1, 2], 4)) for i in range(3)]
-
-    async def submit_all():
-        client.start(asyncio.get_running_loop())
-        for live in lives:
-            client.submit(live)
-        client.release(lives[2])        # never ended: also aborted
-    try:
-        asyncio.run_coroutine_threadsafe(submit_all(), loop).result(timeout=5)
-        assert port.receive(1.0) == [("add", live.request, 0) for live in lives] + [("abort", "r2")]
-        token = [("tokens", [t], None, None, None) for t in (5, 6, 7)]
-        port.send([("r0", token[0]), ("r1", token[1]), ("r2", token[2]), ("r0", ("error", "boom"))],
-                  EngineStats(serving=True, running=2))
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout=5)
-        got = [[live.events.get_nowait() for _ in range(live.events.qsize())] for live in lives]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=5)
-    assert got == [[token[0], ("error", "boom")], [token[1]], []]
-    assert wakeups[0] == 1 and client.stats.running == 2 and client.healthy
+    capacity, page = engine.kv.device_blocks.capacity, engine.kv.page_size
+    fits = capacity // (engine.kv.num_layers * engine.kv.num_kv_heads) * page         # whole pages, every head
+    if fits >= engine.max_model_len:
+        pytest.skip("the device tier holds a whole context")
+    url = server.url + "/v1/completions"
+    too_big = httpx.post(url, json={"model": "tiny", "prompt": [5], "max_tokens": fits}, timeout=30)
+    assert too_big.status_code == 400, too_big.text
+    error = too_big.json()["error"]
+    assert error["param"] == "max_tokens" and "--device-memory-gb" in error["message"]
+    assert wait_idle(server)["kv"]["device_blocks_used"] == 0

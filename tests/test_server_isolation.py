@@ -144,10 +144,14 @@ def test_a_value_the_engine_refuses_never_joins_a_batch(server):
     async def submit():
         live = Live(GenerationRequest("direct", [5, 6, 7], 4, temperature=float("nan")))
         server.server.client.submit(live)
-        return await asyncio.wait_for(live.events.get(), 10)
+        try:
+            return await asyncio.wait_for(live.events.get(), 10)
+        finally:
+            live.done = True
+            server.server.client.release(live)
 
-    kind, message = asyncio.run_coroutine_threadsafe(submit(), server.loop).result(15)
-    assert kind == "invalid" and "temperature=nan must be a finite number" in message
+    kind, message, param = asyncio.run_coroutine_threadsafe(submit(), server.loop).result(15)
+    assert kind == "invalid" and "temperature=nan must be a finite number" in message and param is None
     assert health(server)["running"] == 0
 
 
