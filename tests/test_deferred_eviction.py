@@ -48,6 +48,9 @@ def _instrumented(path, name: str, defer: bool, blocks: int):
     engine = _engine(path, load_policy(MODULE.get(name, name), POLICIES[name]), blocks)
     assert engine.runner.fused is not None
     engine.runner.fused.defer = defer
+    # mixed steps per op on both sides: decode steps are compared here, block for block; test_fused_mixed compares
+    # the fused mixed step (which defers too) with the per-op one
+    engine.runner.mixed = None
     return engine, instrument(engine, ("after_decode_step", "after_append"))
 
 
@@ -67,10 +70,36 @@ def _state(engine) -> dict:
     return {key: value.clone() for key, value in out.items()}
 
 
-def lockstep(engines: tuple, logs: tuple[dict, dict], requests: list, arrive_at: list[int]) -> tuple[list, list]:
+def pages_state(engine) -> dict:
+    """_state read through the block tables: what each head's pages hold on each tier and how many blocks are free,
+    not which blocks hold them (two engines that free and take blocks in another order still agree here)."""
+    kv = engine.kv
+    resident, hosted = kv.block_table != 0, kv.host_table != 0
+    device, host = kv.block_table[resident].long(), kv.host_table[hosted].long()
+
+    def held(pool: torch.Tensor, blocks: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """The blocks' token rows below each head's count (a block's later rows keep what its last user left)."""
+        P = kv.page_size
+        page = where.nonzero()[:, 3]
+        count = kv.num_tokens.unsqueeze(-1).expand_as(where)[where]
+        valid = page.unsqueeze(-1) * P + torch.arange(P) < count.unsqueeze(-1)
+        return torch.where(valid.view(-1, P, 1), pool[blocks], torch.zeros((), dtype=pool.dtype))
+
+    out = {"num_tokens": kv.num_tokens, "resident": resident, "hosted": hosted,
+           "k": held(kv.k_pool, device, resident), "v": held(kv.v_pool, device, resident),
+           "kmin": kv.kmin[resident], "kmax": kv.kmax[resident],
+           "host_k": held(kv.host_k_pool, host, hosted), "host_v": held(kv.host_v_pool, host, hosted),
+           "free": torch.tensor([kv.device_blocks.num_free, kv.host_blocks.num_free])}
+    out.update({key: value for key, value in _state(engine).items() if key.startswith("ledger")})
+    return {key: value.clone() for key, value in out.items()}
+
+
+def lockstep(engines: tuple, logs: tuple[dict, dict], requests: list, arrive_at: list[int],
+             state=None) -> tuple[list, list]:
     """Run two engines over the same arrivals, one step each in turn, asserting after every step that they hold the
-    same state (_state), logits bits and preemptions; then the same outputs and kv_stats (wall-clock seconds, keys
-    ending in _time_s, aside). Returns their sequences."""
+    same state (`state`, by default _state), logits bits and preemptions; then the same outputs and kv_stats
+    (wall-clock seconds, keys ending in _time_s, aside). Returns their sequences."""
+    state = state or _state
     pending, step, seqs = sorted(zip(arrive_at, range(len(requests))), key=lambda p: p[0]), 0, ([], [])
     first, second = engines
     while pending or first.scheduler.has_work() or second.scheduler.has_work():
@@ -80,7 +109,7 @@ def lockstep(engines: tuple, logs: tuple[dict, dict], requests: list, arrive_at:
                 out.append(engine.add_request(requests[i]))
         first.step()
         second.step()
-        a, b = _state(first), _state(second)
+        a, b = state(first), state(second)
         for key in a:
             assert torch.equal(a[key], b[key]), f"{key} differs after step {step}"
         assert len(logs[0]["logits"]) == len(logs[1]["logits"])

@@ -18,14 +18,32 @@ from systems.policies import load_policy
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.has_fused_decode(), reason="CPU kernels not built")
 
+# policies whose decode rows run whole in the fused step (a page rule, or an eviction deferred to the step's end)
+# and, but Quest, an after-prefill hook; small budgets so their pages move in mixed steps (as test_engine_invariants)
+_POLICIES = {
+    "quest": ("quest", dict(budget=12, skip_layers=0)),
+    "quest_efficiency": ("quest", dict(budget=12, skip_layers=0, selection_rule="efficiency_kernels",
+                                       granularity="kv_head")),
+    "flexicache": ("flexicache", dict(budget=8, rerank_interval=3, unstable_heads=[[1, 0]])),
+    "flexicache_naive": ("flexicache", dict(budget=8, naive=True, unstable_heads=[[0, 0], [0, 1]])),
+    "snapkv": ("snapkv", dict(budget=40, window=8)),
+    "pyramidkv": ("pyramidkv", dict(budget=40, window=8)),
+    "h2o": ("h2o", dict(budget=40)),
+    "tova": ("tova", dict(budget=40)),
+    "streaming": ("streaming", dict(budget=40)),
+    "cake": ("cake", dict(budget=48, window=8)),
+    "lserve": ("lserve", dict(budget=16, sink_tokens=4, local_tokens=8, physical_page=8, reuse_interval=2,
+                              streaming_heads=[[0, 1], [1, 0]])),
+}
+
 
 def _engine(path, dtype: str, fused: bool, policy: str = "dense", budget: int = 40) -> Engine:
     P = 4
     cfg = SimpleNamespace(page_size=P, device_memory_gb=4096 * 2 * P * 16 * 4 / 2 ** 30,
                           host_memory_gb=4096 * 2 * P * 16 * 4 / 2 ** 30, max_num_seqs=4,
                           max_num_batched_tokens=budget, batch_invariant=False, fused_decode=fused)
-    module = {"quest": "quest"}.get(policy, policy)
-    return Engine(str(path), load_policy(module, {}), cfg, dtype=dtype)
+    name, params = _POLICIES.get(policy, (policy, {}))
+    return Engine(str(path), load_policy(name, dict(params)), cfg, dtype=dtype)
 
 
 def _multiply(engine: Engine, gemm: str) -> None:
@@ -45,9 +63,9 @@ def _record_steps(engine: Engine) -> list[tuple[int, list[tuple[int, int, int]]]
     mixed, seen = engine.runner.mixed, []
     hidden = mixed.hidden
 
-    def recorded(ids, positions, slots, chunks):
-        seen.append((len(slots), list(chunks)))
-        return hidden(ids, positions, slots, chunks)
+    def recorded(ids, positions, slots, infos, chunks):
+        seen.append((len(slots), [(info.slot, a, b) for _, info, a, b in chunks]))
+        return hidden(ids, positions, slots, infos, chunks)
 
     mixed.hidden = recorded
     return seen
@@ -136,10 +154,42 @@ def test_products_of_mixed_kinds_keep_the_per_op_step(tiny_llama_dir):
     assert fused.runner.mixed.steps == sum(r < WIDEN_MIN_ROWS for r in rows)
 
 
+@pytest.mark.parametrize("policy", ["quest", "quest_efficiency", "flexicache", "flexicache_naive", "snapkv",
+                                    "pyramidkv", "h2o", "tova", "streaming", "cake"])
+def test_policy_mixed_steps_equal_the_per_op_step(tiny_llama_dir, policy):
+    """The decode rows beside prompt chunks choose their pages by the policy's rule inside the call (Quest,
+    FlexiCache) or evict after it (the ScoreAndKeep policies, Streaming, CAKE), and the chunks that finish a prompt
+    hand the policy's after-prefill hook its queries and keys layer by layer: after every step the two engines hold
+    the same cache (every head's pages on both tiers, free blocks, ledgers), logits bits and MinMax bytes read, and
+    end with the same tokens and kv_stats."""
+    from tests.test_deferred_eviction import instrument, lockstep, pages_state
+
+    fused, per_op = (_engine(tiny_llama_dir, "float32", True, policy=policy, budget=24) for _ in range(2))
+    per_op.runner.mixed = None
+    assert fused.runner.mixed is not None, fused.runner.mixed_unsupported
+    steps = _record_steps(fused)
+    logs = [instrument(engine, ("after_prefill_layer",)) for engine in (fused, per_op)]
+    rng = random.Random(9)
+    g = torch.Generator().manual_seed(9)
+    # prompts longer than the 24-token step budget enter in chunks while earlier requests decode beside them
+    requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(5, 70),), generator=g).tolist(),
+                                  rng.randint(6, 30), ignore_eos=True, logprob_steps=0) for i in range(7)]
+    # a policy that moves pages after the step (promotions, evictions) frees blocks the per-op step's later layers
+    # take again, so its blocks may differ while what every head holds does not; Quest moves none: blocks too
+    state = None if policy.startswith("quest") else pages_state
+    lockstep((fused, per_op), logs, requests, [rng.randint(0, 25) for _ in requests], state=state)
+    assert fused.runner.mixed.steps == len(steps)
+    # decode rows ran beside a later chunk and beside a chunk that finished its prompt
+    assert any(nd > 0 and any(a > 0 for _, a, _ in chunks) for nd, chunks in steps)
+    assert any(nd > 0 and chunks for nd, chunks in steps)
+    if policy != "quest" and policy != "quest_efficiency":
+        assert logs[0]["after_prefill_layer"] == logs[1]["after_prefill_layer"] > 0
+
+
 def test_policies_with_hooks_inside_a_layer_keep_the_per_op_step(tiny_llama_dir):
-    """A page choice at decode time (Quest) runs between a layer's pieces: the runner says so and keeps the per-op
-    mixed step; batch-invariant mode (tiled GEMMs) keeps it too."""
-    engine = _engine(tiny_llama_dir, "bfloat16", True, policy="quest")
+    """A page choice at decode time stated by no rule (LServe's select_pages) runs between a layer's pieces: the
+    runner says so and keeps the per-op mixed step; batch-invariant mode (tiled GEMMs) keeps it too."""
+    engine = _engine(tiny_llama_dir, "bfloat16", True, policy="lserve")
     assert engine.runner.mixed is None and "select_pages" in engine.runner.mixed_unsupported
     cfg = SimpleNamespace(page_size=4, device_memory_gb=0.01, host_memory_gb=0.01, max_num_seqs=4,
                           max_num_batched_tokens=40, batch_invariant=True)

@@ -28,6 +28,7 @@ def _instrumented(path, params: dict, rules: bool, policy_class: type = Quest):
     engine = _engine(path, policy_class(**params), blocks=400)
     assert engine.runner.fused is not None
     engine.runner.fused.rules = rules
+    engine.runner.mixed = None      # mixed steps per op on both sides (test_fused_mixed compares the fused one)
     return engine, instrument(engine, ("decode_page_rule", "select_pages"))
 
 

@@ -45,10 +45,13 @@ class ModelRunner:
             fused_decode.unsupported(model, kv)
         self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
             self.fused_unsupported is None else None
-        # mixed and prefill steps as one fused call where nothing of the policy runs inside a layer there
-        self.mixed_unsupported = self.fused_unsupported or (
-            "batch-invariant tiles" if batch_invariant else fused_mixed.unsupported(self._model(), kv, policy))
-        self.mixed = fused_mixed.FusedMixed(self._model(), kv) if self.mixed_unsupported is None else None
+        # mixed and prefill steps as fused calls where the decode rows run as the fused decode step runs them
+        self.mixed: fused_mixed.FusedMixed | None = None
+        self.mixed_unsupported = self.fused_unsupported or ("batch-invariant tiles" if batch_invariant else None)
+        if self.fused is not None and self.mixed_unsupported is None:
+            self.mixed_unsupported = fused_mixed.unsupported(self.fused.model, kv, self.fused)
+            if self.mixed_unsupported is None:
+                self.mixed = fused_mixed.FusedMixed(self.fused.model, kv, self.fused)
         self.probe: PositionProbe | None = None     # set by the engine once a request asks for positions
 
     def _model(self) -> LlamaModel:
@@ -91,10 +94,10 @@ class ModelRunner:
 
         hidden = None
         if self.mixed is not None and self.probe is None and self.mixed.takes(chunks):
-            hidden = self.mixed.hidden(torch.tensor(ids, device=dev), positions, slots,
-                                       [(info.slot, a, b) for info, (_, a, b) in zip(infos, chunks)])
-            if decodes:                 # as decode_layer leaves it: the last layer read every page
-                self.last_selected = None
+            hidden = self.mixed.hidden(torch.tensor(ids, device=dev), positions, slots, dec_infos,
+                                       [(seq, info, a, b) for info, (seq, a, b) in zip(infos, chunks)])
+            if hidden is not None and decodes:          # as decode_layer leaves it
+                self.last_selected = self.mixed.last_selected
         if hidden is None:
             hidden = self._model().forward(torch.tensor(ids, device=dev), positions, attend, tile=self.prefill_tile)
         self.kv.release_out_of_window(slots)           # the decodes' windowed layers (chunks released per layer)

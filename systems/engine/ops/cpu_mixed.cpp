@@ -6,6 +6,11 @@
 // are that path's bit for bit: a product is the GEMM call Linear._mm makes, the elementwise steps are cpu_rows.h, the
 // decode rows' append and attention and each chunk's store are cpu_paged.h, and a chunk's attention is the kernel
 // cpu_kernels.prompt_attention picks (this project's bf16 kernel where it runs, else torch's SDPA).
+//
+// The decode rows read the pages a policy's page rule chooses (cpu_page_rule.h, as the fused decode step runs it), and
+// each layer's q can be handed back for what a policy does after the step: its deferred eviction or its page rule's
+// after-work for the decode rows, its after-prefill hook for the chunks. A step whose chunks finish a prompt under
+// such a hook runs one layer per call (first, last), the hook between the calls, as the per-op path orders them.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -13,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_page_rule.h"
 #include "cpu_paged.h"
 
 // the elementwise kernels round each product and sum on their own, as torch's separate ops do
@@ -100,14 +106,15 @@ at::Tensor chunk_attention(const Storage& st, int64_t layer, const Chunk& c, con
   return out.select(0, 0).transpose(0, 1);
 }
 
-// Every page a chunk writes has a device block in every layer: checked before the first layer changes the cache.
-void check_pages(const Storage& st, const std::vector<Chunk>& chunks) {
+// Every page a chunk writes has a device block in every layer of the call: checked before the first layer changes
+// the cache.
+void check_pages(const Storage& st, const std::vector<Chunk>& chunks, int64_t first, int64_t last) {
   const int32_t* table = st.block_table.data_ptr<int32_t>();
   for (const Chunk& c : chunks) {
     TORCH_CHECK(c.slot >= 0 && c.slot < st.block_table.size(0), "mixed_layers: a chunk's slot is not a slot");
     TORCH_CHECK(c.start >= 0 && c.end > c.start && (c.end + st.P - 1) / st.P <= st.M,
                 "mixed_layers: a chunk's positions do not fit a head's pages");
-    for (int64_t layer = 0; layer < st.L; ++layer)
+    for (int64_t layer = first; layer < last; ++layer)
       for (int64_t h = 0; h < st.Hkv; ++h)
         for (int64_t page = 0; page < (c.end + st.P - 1) / st.P; ++page)
           TORCH_CHECK(table[((c.slot * st.L + layer) * st.Hkv + h) * st.M + page] != 0,
@@ -121,7 +128,12 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
                         const at::Tensor& kmin, const at::Tensor& kmax, const at::Tensor& slots,
                         at::IntArrayRef chunk_slots, at::IntArrayRef chunk_starts, at::IntArrayRef chunk_ends,
                         int64_t num_q_heads, int64_t intermediate, double eps, double scale,
-                        bool own_prompt_kernel) {
+                        bool own_prompt_kernel, int64_t first, int64_t last,
+                        const c10::optional<at::Tensor>& queries, const c10::optional<at::Tensor>& chosen,
+                        at::IntArrayRef rule_layers, const c10::optional<at::Tensor>& rule_heads,
+                        const c10::optional<at::Tensor>& rule_k, int64_t rule_width, bool rule_ranked,
+                        bool keep_last, const c10::optional<at::Tensor>& rule_held,
+                        at::IntArrayRef rule_held_widths, const c10::optional<at::Tensor>& rule_scored) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "mixed_layers: h [T, hidden] contiguous");
   TORCH_CHECK(!delta.has_value() || (delta->sizes() == h.sizes() && delta->is_contiguous() &&
                                      delta->scalar_type() == h.scalar_type()), "mixed_layers: delta like h");
@@ -148,7 +160,16 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
     row += chunk_ends[i] - chunk_starts[i];
   }
   TORCH_CHECK(row == T, "mixed_layers: h must hold the decode rows, then every chunk's rows");
-  check_pages(st, chunks);
+  if (last < 0) last = st.L;
+  TORCH_CHECK(0 <= first && first < last && last <= st.L, "mixed_layers: layers first .. last - 1 of the stack");
+  TORCH_CHECK(!queries.has_value() || (queries->dim() == 4 && queries->size(0) == st.L && queries->size(1) == T &&
+                                       queries->size(2) == Hq && queries->size(3) == D &&
+                                       queries->scalar_type() == dtype),
+              "mixed_layers: queries [L, T, Hq, D] in h's dtype");
+  check_pages(st, chunks, first, last);
+  // the decode rows' page rule over every layer of the stack (its flags say which it covers)
+  const PageRule rule = page_rule(st, nd, Hq, 0, st.L, chosen, rule_layers, rule_heads, rule_k, rule_width,
+                                  rule_ranked, keep_last, rule_held, rule_held_widths, rule_scored, slots);
   // built once per step, not per layer as the per-op path does: a later chunk's causal mask (SDPA's causal flag
   // puts the diagonal top-left, where the chunk's queries sit bottom-right of its keys); none for a first chunk
   std::vector<at::Tensor> masks;
@@ -168,7 +189,7 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
   at::Tensor d = delta.has_value() ? *delta : at::Tensor();
   by_dtype(h, [&](auto tag) {
     using Elem = decltype(tag);
-    for (int64_t layer = 0; layer < st.L; ++layer) {
+    for (int64_t layer = first; layer < last; ++layer) {
       const at::Tensor* w = weights.data() + 7 * layer;
       at::Tensor x = at::empty_like(h);
       add_rms_norm_rows<Elem>(ptr<Elem>(h), d.defined() ? ptr<Elem>(d) : nullptr, ptr<Elem>(w[0]), ptr<Elem>(x), T,
@@ -178,11 +199,13 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
       const at::Tensor qk = qkv.narrow(1, 0, (Hq + st.Hkv) * D).view({T, Hq + st.Hkv, D});
       const at::Tensor q = qk.narrow(1, 0, Hq), k = qk.narrow(1, Hq, st.Hkv);
       const at::Tensor v = qkv.narrow(1, (Hq + st.Hkv) * D, st.Hkv * D).view({T, st.Hkv, D});
+      if (queries.has_value()) queries->select(0, layer).copy_(q);
       at::Tensor attn = at::empty({T, Hq, D}, h.options());
       if (nd > 0) {
         append_kv<Elem>(st, layer, ptr<Elem>(qkv) + Hq * D, ptr<Elem>(qkv) + (Hq + st.Hkv) * D, nd, width);
         const at::Tensor q_dec = q.narrow(0, 0, nd).contiguous();
-        attn.narrow(0, 0, nd).copy_(attend_pages<Elem>(q_dec, at::Tensor(), st, layer, scale, 0).view({nd, Hq, D}));
+        const at::Tensor sel = rule.covers(layer, 0) ? rule.choose(q_dec, st, layer, 0) : at::Tensor();
+        attn.narrow(0, 0, nd).copy_(attend_pages<Elem>(q_dec, sel, st, layer, scale, 0).view({nd, Hq, D}));
       }
       for (size_t i = 0; i < chunks.size(); ++i) {
         const Chunk& c = chunks[i];
@@ -208,5 +231,8 @@ TORCH_LIBRARY_FRAGMENT(kvharness_cpu, m) {
   m.def("mixed_layers(Tensor(a!) h, Tensor? delta, Tensor[] weights, int gemm_kind, Tensor cos, Tensor sin, "
         "Tensor(b!) k_pool, Tensor(c!) v_pool, Tensor block_table, Tensor(d!) num_tokens, Tensor(e!) kmin, "
         "Tensor(f!) kmax, Tensor slots, int[] chunk_slots, int[] chunk_starts, int[] chunk_ends, int num_q_heads, "
-        "int intermediate, float eps, float scale, bool own_prompt_kernel) -> Tensor", &mixed_layers);
+        "int intermediate, float eps, float scale, bool own_prompt_kernel, int first=0, int last=-1, "
+        "Tensor(g!)? queries=None, Tensor(h!)? chosen=None, int[] rule_layers=[], Tensor? rule_heads=None, "
+        "Tensor? rule_k=None, int rule_width=0, bool rule_ranked=True, bool keep_last=False, Tensor? rule_held=None, "
+        "int[] rule_held_widths=[], Tensor? rule_scored=None) -> Tensor", &mixed_layers);
 }
