@@ -37,9 +37,9 @@ _POLICIES = {
 }
 
 
-def _engine(path, dtype: str, fused: bool, policy: str = "dense", budget: int = 40) -> Engine:
+def _engine(path, dtype: str, fused: bool, policy: str = "dense", budget: int = 40, blocks: int = 4096) -> Engine:
     P = 4
-    cfg = SimpleNamespace(page_size=P, device_memory_gb=4096 * 2 * P * 16 * 4 / 2 ** 30,
+    cfg = SimpleNamespace(page_size=P, device_memory_gb=blocks * 2 * P * 16 * 4 / 2 ** 30,
                           host_memory_gb=4096 * 2 * P * 16 * 4 / 2 ** 30, max_num_seqs=4,
                           max_num_batched_tokens=budget, batch_invariant=False, fused_decode=fused)
     name, params = _POLICIES.get(policy, (policy, {}))
@@ -58,13 +58,16 @@ def _multiply(engine: Engine, gemm: str) -> None:
                 linear.wide = None
 
 
-def _record_steps(engine: Engine) -> list[tuple[int, list[tuple[int, int, int]]]]:
-    """Each fused step's decode-row count and chunks (slot, start, end), as the call saw them."""
+def _record_steps(engine: Engine, finishing: list[bool] | None = None) -> list[tuple[int, list[tuple[int, int, int]]]]:
+    """Each fused step's decode-row count and chunks (slot, start, end), as the call saw them; `finishing` gets, per
+    step, whether a chunk finished its prompt."""
     mixed, seen = engine.runner.mixed, []
     hidden = mixed.hidden
 
     def recorded(ids, positions, slots, infos, chunks):
         seen.append((len(slots), [(info.slot, a, b) for _, info, a, b in chunks]))
+        if finishing is not None:
+            finishing.append(any(b >= seq.compress_end for seq, _, _, b in chunks))
         return hidden(ids, positions, slots, infos, chunks)
 
     mixed.hidden = recorded
@@ -154,6 +157,28 @@ def test_products_of_mixed_kinds_keep_the_per_op_step(tiny_llama_dir):
     assert fused.runner.mixed.steps == sum(r < WIDEN_MIN_ROWS for r in rows)
 
 
+def _lockstep_mixed(path, policy: str, requests: list, arrive_at: list[int], blocks: int = 4096,
+                    kept: str | None = None) -> tuple[Engine, list, list[bool], list[dict]]:
+    """Two engines over the same arrivals, one with the fused mixed step and one per op, compared after every step
+    (test_deferred_eviction.lockstep): a policy that moves pages after the step (promotions, evictions) frees blocks
+    the per-op step's later layers take again, so its blocks may differ while what every head holds does not; Quest
+    moves none, and is held to the same blocks too."""
+    from tests.test_deferred_eviction import instrument, lockstep, pages_state
+
+    fused, per_op = (_engine(path, "float32", True, policy=policy, budget=24, blocks=blocks) for _ in range(2))
+    per_op.runner.mixed = None
+    assert fused.runner.mixed is not None, fused.runner.mixed_unsupported
+    finishing: list[bool] = []
+    steps = _record_steps(fused, finishing)
+    logs = [instrument(engine, ("after_prefill_layer",)) for engine in (fused, per_op)]
+    lockstep((fused, per_op), logs, requests, arrive_at, state=None if policy.startswith("quest") else pages_state)
+    if kept is not None:
+        assert fused.release_prefix(kept) and per_op.release_prefix(kept)
+        assert fused.kv.device_blocks.num_free == per_op.kv.device_blocks.num_free
+    assert fused.runner.mixed.steps == len(steps)
+    return fused, steps, finishing, logs
+
+
 @pytest.mark.parametrize("policy", ["quest", "quest_efficiency", "flexicache", "flexicache_naive", "snapkv",
                                     "pyramidkv", "h2o", "tova", "streaming", "cake"])
 def test_policy_mixed_steps_equal_the_per_op_step(tiny_llama_dir, policy):
@@ -162,28 +187,45 @@ def test_policy_mixed_steps_equal_the_per_op_step(tiny_llama_dir, policy):
     hand the policy's after-prefill hook its queries and keys layer by layer: after every step the two engines hold
     the same cache (every head's pages on both tiers, free blocks, ledgers), logits bits and MinMax bytes read, and
     end with the same tokens and kv_stats."""
-    from tests.test_deferred_eviction import instrument, lockstep, pages_state
-
-    fused, per_op = (_engine(tiny_llama_dir, "float32", True, policy=policy, budget=24) for _ in range(2))
-    per_op.runner.mixed = None
-    assert fused.runner.mixed is not None, fused.runner.mixed_unsupported
-    steps = _record_steps(fused)
-    logs = [instrument(engine, ("after_prefill_layer",)) for engine in (fused, per_op)]
     rng = random.Random(9)
     g = torch.Generator().manual_seed(9)
     # prompts longer than the 24-token step budget enter in chunks while earlier requests decode beside them
     requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(5, 70),), generator=g).tolist(),
                                   rng.randint(6, 30), ignore_eos=True, logprob_steps=0) for i in range(7)]
-    # a policy that moves pages after the step (promotions, evictions) frees blocks the per-op step's later layers
-    # take again, so its blocks may differ while what every head holds does not; Quest moves none: blocks too
-    state = None if policy.startswith("quest") else pages_state
-    lockstep((fused, per_op), logs, requests, [rng.randint(0, 25) for _ in requests], state=state)
-    assert fused.runner.mixed.steps == len(steps)
-    # decode rows ran beside a later chunk and beside a chunk that finished its prompt
+    _, steps, finishing, logs = _lockstep_mixed(tiny_llama_dir, policy, requests,
+                                                [rng.randint(0, 25) for _ in requests])
+    # decode rows ran beside a later chunk, and beside a chunk that finished its prompt
     assert any(nd > 0 and any(a > 0 for _, a, _ in chunks) for nd, chunks in steps)
-    assert any(nd > 0 and chunks for nd, chunks in steps)
-    if policy != "quest" and policy != "quest_efficiency":
+    assert any(nd > 0 and done for (nd, _), done in zip(steps, finishing))
+    if not policy.startswith("quest"):
         assert logs[0]["after_prefill_layer"] == logs[1]["after_prefill_layer"] > 0
+
+
+@pytest.mark.parametrize("policy", ["quest", "h2o", "cake"])
+def test_policy_mixed_steps_under_preemption(tiny_llama_dir, policy):
+    """The same equality where the device pool is tight enough to preempt (a Quest sequence, which drops nothing,
+    can hold 104 blocks)."""
+    preemptions = 0
+    for seed in (0, 1):
+        rng = random.Random(seed)
+        g = torch.Generator().manual_seed(seed)
+        requests = [GenerationRequest(f"r{i}", torch.randint(3, 200, (rng.randint(3, 72),), generator=g).tolist(),
+                                      rng.randint(1, 30), ignore_eos=True, logprob_steps=0) for i in range(9)]
+        fused, *_ = _lockstep_mixed(tiny_llama_dir, policy, requests, [rng.randint(0, 20) for _ in requests],
+                                    blocks={"quest": 112, "cake": 90}.get(policy, 70))
+        preemptions += fused.scheduler.num_preemptions
+    assert preemptions > 0                                  # the pool was tight enough to preempt
+
+
+@pytest.mark.parametrize("policy", ["quest", "flexicache", "h2o", "cake"])
+def test_policy_mixed_steps_with_forks(tiny_llama_dir, policy):
+    """The same equality over shared contexts (forks), with a kept prefix released at the end."""
+    from tests.test_engine_invariants import _shared_requests
+
+    rng = random.Random(3)
+    requests = _shared_requests(rng, torch.Generator().manual_seed(3), 3)
+    _lockstep_mixed(tiny_llama_dir, policy, requests, [rng.randint(0, 30) for _ in requests], blocks=160,
+                    kept="3-kept")
 
 
 def test_policies_with_hooks_inside_a_layer_keep_the_per_op_step(tiny_llama_dir):
@@ -218,8 +260,8 @@ def test_a_chunk_without_pages_fails_before_the_cache_changes(tiny_llama_dir):
 
 
 def test_set_policy_refuses_another_class(tiny_llama_dir):
-    """The runner chose the fused mixed step by the policy class's hooks: swapping in a class with hooks inside a
-    layer must not keep that choice."""
+    """The runner chose its paths by the policy class's hooks (which steps run fused, which keep prompt queries):
+    swapping in another class must not keep that choice."""
     engine = _engine(tiny_llama_dir, "bfloat16", True)
     with pytest.raises(ValueError, match="Dense .*not a Quest"):
         engine.set_policy(load_policy("quest", {}))

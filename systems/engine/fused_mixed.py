@@ -99,9 +99,9 @@ class FusedMixed:
             return None
         deferred = bool(nd) and self.decode.deferred
         step_queries = (rule is not None or deferred) and policy.step_queries
-        queries = None
-        if step_queries or (self._prompt_hook and chunks):
-            queries = torch.empty(L, len(ids), spec.num_q_heads, spec.head_dim, dtype=model.dtype)
+        keep_queries = step_queries or (self._prompt_hook and bool(chunks))
+        shape = (len(ids), spec.num_q_heads, spec.head_dim)
+        decode_q = torch.empty(L, nd, *shape[1:], dtype=model.dtype) if step_queries else None
         chosen, rule_args = self.decode._rule_args(rule, nd)
         rows = [nd]
         for _, _, a, b in chunks:
@@ -118,17 +118,23 @@ class FusedMixed:
             for layer in range(first, last):
                 for slot, a, b in cut:
                     kv.reserve_prompt_pages(slot, layer, a, b - a)
+            # the call's layers only: a whole prompt prefilled layer by layer never holds every layer's queries
+            queries = torch.empty(last - first, *shape, dtype=model.dtype) if keep_queries else None
+            span_rule = list(rule_args)
+            if span_rule:                       # the flags and held widths run per layer from `first`
+                span_rule[1], span_rule[8] = span_rule[1][first:last], span_rule[8][first:last]
             delta = torch.ops.kvharness_cpu.mixed_layers(
                 h, delta, flat, kind, cos, sin, kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin,
                 kv.kmax, slots.to(torch.int64).contiguous(), [c[0] for c in cut], [c[1] for c in cut],
                 [c[2] for c in cut], spec.num_q_heads, spec.intermediate_size, spec.rms_norm_eps, kv.scale,
-                cpu_kernels.bf16_prompt_kernel(), first, last, queries, *rule_args)
-            if self._prompt_hook and queries is not None:
+                cpu_kernels.bf16_prompt_kernel(), first, last, queries, *span_rule)
+            if queries is not None and decode_q is not None:
+                decode_q[first:last] = queries[:, :nd]
+            if queries is not None and self._prompt_hook:
                 for layer in range(first, last):
-                    self._after_prompt_layer(layer, chunks, queries[layer], rows)
+                    self._after_prompt_layer(layer, chunks, queries[layer - first], rows)
         self.steps += 1
         self.last_selected = chosen[-1] if rule is not None and L - 1 in rule.layers else None
-        decode_q = queries[:, :nd].contiguous() if step_queries and queries is not None else None
         if rule is not None:
             policy.pages_chosen(kv, DecodeLayers(slots=slots, seqs=infos, q=decode_q), rule, chosen)
         if deferred:

@@ -162,13 +162,13 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
   TORCH_CHECK(row == T, "mixed_layers: h must hold the decode rows, then every chunk's rows");
   if (last < 0) last = st.L;
   TORCH_CHECK(0 <= first && first < last && last <= st.L, "mixed_layers: layers first .. last - 1 of the stack");
-  TORCH_CHECK(!queries.has_value() || (queries->dim() == 4 && queries->size(0) == st.L && queries->size(1) == T &&
-                                       queries->size(2) == Hq && queries->size(3) == D &&
+  TORCH_CHECK(!queries.has_value() || (queries->dim() == 4 && queries->size(0) == last - first &&
+                                       queries->size(1) == T && queries->size(2) == Hq && queries->size(3) == D &&
                                        queries->scalar_type() == dtype),
-              "mixed_layers: queries [L, T, Hq, D] in h's dtype");
+              "mixed_layers: queries [last - first, T, Hq, D] in h's dtype");
   check_pages(st, chunks, first, last);
-  // the decode rows' page rule over every layer of the stack (its flags say which it covers)
-  const PageRule rule = page_rule(st, nd, Hq, 0, st.L, chosen, rule_layers, rule_heads, rule_k, rule_width,
+  // the decode rows' page rule over the call's layers (flags and held widths per layer from `first`)
+  const PageRule rule = page_rule(st, nd, Hq, first, last, chosen, rule_layers, rule_heads, rule_k, rule_width,
                                   rule_ranked, keep_last, rule_held, rule_held_widths, rule_scored, slots);
   // built once per step, not per layer as the per-op path does: a later chunk's causal mask (SDPA's causal flag
   // puts the diagonal top-left, where the chunk's queries sit bottom-right of its keys); none for a first chunk
@@ -199,12 +199,12 @@ at::Tensor mixed_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, at
       const at::Tensor qk = qkv.narrow(1, 0, (Hq + st.Hkv) * D).view({T, Hq + st.Hkv, D});
       const at::Tensor q = qk.narrow(1, 0, Hq), k = qk.narrow(1, Hq, st.Hkv);
       const at::Tensor v = qkv.narrow(1, (Hq + st.Hkv) * D, st.Hkv * D).view({T, st.Hkv, D});
-      if (queries.has_value()) queries->select(0, layer).copy_(q);
+      if (queries.has_value()) queries->select(0, layer - first).copy_(q);
       at::Tensor attn = at::empty({T, Hq, D}, h.options());
       if (nd > 0) {
         append_kv<Elem>(st, layer, ptr<Elem>(qkv) + Hq * D, ptr<Elem>(qkv) + (Hq + st.Hkv) * D, nd, width);
         const at::Tensor q_dec = q.narrow(0, 0, nd).contiguous();
-        const at::Tensor sel = rule.covers(layer, 0) ? rule.choose(q_dec, st, layer, 0) : at::Tensor();
+        const at::Tensor sel = rule.covers(layer, first) ? rule.choose(q_dec, st, layer, first) : at::Tensor();
         attn.narrow(0, 0, nd).copy_(attend_pages<Elem>(q_dec, sel, st, layer, scale, 0).view({nd, Hq, D}));
       }
       for (size_t i = 0; i < chunks.size(); ++i) {
