@@ -116,7 +116,7 @@ class FusedDecode:
             deferred, queries = self.deferred, None
             if (deferred or rule is not None) and self.policy.step_queries:
                 queries = torch.empty(len(self.layers), len(infos), nq, spec.head_dim, dtype=model.dtype)
-            chosen, rule_args = self._rule_args(rule, len(infos))
+            chosen, rule_args = self.rule_args(rule, len(infos))
             delta = ops.decode_layers(h, None, self.flat_weights, cos, sin, *store, slots, 0, len(self.layers), nq,
                                       inter, eps, kv.scale, self.windows, queries, *rule_args)
             covered = set(rule.layers) if rule is not None else set()
@@ -153,7 +153,7 @@ class FusedDecode:
                     clock("rest")
         return ops.decode_logits(h, delta, model.norm, self.lm_head, model.lm_head.weight.shape[0], eps).float()
 
-    def _rule_args(self, rule: PageRule | None, batch: int) -> tuple[torch.Tensor, list]:
+    def rule_args(self, rule: PageRule | None, batch: int) -> tuple[torch.Tensor, list]:
         """decode_layers' page-rule arguments (none without a rule) and the [L, B, sets, K] tensor it fills; the
         MinMax bytes the rule's scoring reads are counted here, as kv.ranked_pages / top_pages count them."""
         if rule is None or not rule.layers:
@@ -166,3 +166,12 @@ class FusedDecode:
         flags = [int(layer in covered) for layer in range(len(self.layers))]
         return chosen, [chosen, flags, rule.heads, torch.tensor(rule.k, dtype=torch.long), rule.width, rule.ranked,
                         rule.keep_last, rule.held, list(rule.held_widths), rule.scored]
+
+
+def layer_span(rule_args: list, first: int, last: int) -> list:
+    """FusedDecode.rule_args for a call over layers first .. last - 1 only: its flags and held widths per layer from
+    `first` (chosen, held and scored stay indexed by the stack's layer)."""
+    if not rule_args:
+        return rule_args
+    chosen, flags, heads, k, width, ranked, keep_last, held, widths, scored = rule_args
+    return [chosen, flags[first:last], heads, k, width, ranked, keep_last, held, widths[first:last], scored]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from systems.engine.fused_decode import FusedDecode
+from systems.engine.fused_decode import FusedDecode, layer_span
 from systems.engine.kv_cache import TieredKVCache
 from systems.engine.models.linear import widens
 from systems.engine.models.llama import LlamaModel
@@ -102,7 +102,7 @@ class FusedMixed:
         keep_queries = step_queries or (self._prompt_hook and bool(chunks))
         shape = (len(ids), spec.num_q_heads, spec.head_dim)
         decode_q = torch.empty(L, nd, *shape[1:], dtype=model.dtype) if step_queries else None
-        chosen, rule_args = self.decode._rule_args(rule, nd)
+        chosen, rule_args = self.decode.rule_args(rule, nd)
         rows = [nd]
         for _, _, a, b in chunks:
             rows.append(rows[-1] + b - a)
@@ -112,6 +112,8 @@ class FusedMixed:
         cos, sin = model.rope(positions, self.rope_table)
         h = torch.nn.functional.embedding(ids, model.embed)
         cut = [(info.slot, a, b) for _, info, a, b in chunks]
+        chunk_slots, starts, ends = ([c[i] for c in cut] for i in range(3))
+        decode_slots = slots.to(torch.int64).contiguous()
         delta = None
         for first, last in spans:
             # each layer's pages before its call, in the per-op path's order (layer, then chunk): the same blocks
@@ -120,14 +122,11 @@ class FusedMixed:
                     kv.reserve_prompt_pages(slot, layer, a, b - a)
             # the call's layers only: a whole prompt prefilled layer by layer never holds every layer's queries
             queries = torch.empty(last - first, *shape, dtype=model.dtype) if keep_queries else None
-            span_rule = list(rule_args)
-            if span_rule:                       # the flags and held widths run per layer from `first`
-                span_rule[1], span_rule[8] = span_rule[1][first:last], span_rule[8][first:last]
             delta = torch.ops.kvharness_cpu.mixed_layers(
                 h, delta, flat, kind, cos, sin, kv.k_pool, kv.v_pool, kv.block_table, kv.num_tokens, kv.kmin,
-                kv.kmax, slots.to(torch.int64).contiguous(), [c[0] for c in cut], [c[1] for c in cut],
-                [c[2] for c in cut], spec.num_q_heads, spec.intermediate_size, spec.rms_norm_eps, kv.scale,
-                cpu_kernels.bf16_prompt_kernel(), first, last, queries, *span_rule)
+                kv.kmax, decode_slots, chunk_slots, starts, ends, spec.num_q_heads, spec.intermediate_size,
+                spec.rms_norm_eps, kv.scale, cpu_kernels.bf16_prompt_kernel(), first, last, queries,
+                *layer_span(rule_args, first, last))
             if queries is not None and decode_q is not None:
                 decode_q[first:last] = queries[:, :nd]
             if queries is not None and self._prompt_hook:
