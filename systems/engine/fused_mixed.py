@@ -50,7 +50,7 @@ class FusedMixed:
         self.rope_table = next(iter(model.rope_tables))
         self.steps = 0                  # steps run fused (tests and benchmarks check the path was taken)
         self.last_selected: torch.Tensor | None = None      # the decode rows' sets at the last layer (None: all)
-        self._prompt_hook = type(self.policy).after_prefill_layer is not Policy.after_prefill_layer
+        self._prompt_hook = self.policy.hooks_prefill()      # set_policy keeps the class, so this holds
         # the operand list depends on a step's rows only through the widened GEMM's threshold: built once per side
         self._operands: dict[bool, tuple[int, list[torch.Tensor]] | None] = {}
 

@@ -38,8 +38,8 @@ class ModelRunner:
         # fixed matmul shapes per phase (see config.PREFILL_TILE): a row's numbers never depend on its batch
         self.prefill_tile = PREFILL_TILE if batch_invariant else None
         self.decode_tile = DECODE_TILE if batch_invariant else None
-        # policies that keep Policy's no-op after_prefill_layer need no prompt queries kept across chunks
-        self._prompt_hook = type(policy).after_prefill_layer is not Policy.after_prefill_layer
+        # policies without a prompt hook need no prompt queries kept across chunks (set_policy keeps the class)
+        self._prompt_hook = policy.hooks_prefill()
         self._extend_hook = type(policy).after_extend_layer is not Policy.after_extend_layer
         self.fused_unsupported = "turned off" if not fused else "no model" if model is None else \
             fused_decode.unsupported(model, kv)

@@ -290,6 +290,11 @@ class Policy:
         appending = next(c for c in mro if "after_append" in vars(c))
         return deferring is not Policy and mro.index(appending) >= mro.index(deferring)
 
+    def hooks_prefill(self) -> bool:
+        """Whether the policy acts on a finished prompt (overrides after_prefill_layer): the engine then keeps each
+        layer's prompt queries until the prompt's last chunk, and runs that chunk's step layer by layer."""
+        return type(self).after_prefill_layer is not Policy.after_prefill_layer
+
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         """Realized KV of the finished sequence: tokens kept per layer and KV head, resident device pages."""
         counts = kv.num_tokens[seq.slot]

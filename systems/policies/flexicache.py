@@ -22,7 +22,6 @@ Where this departs from the official fork, and why:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -30,6 +29,7 @@ import torch
 
 from systems.policies.base import DecodeLayers, DecodeStep, KVDims, KVView, PageRule, Policy, SeqInfo, block_bytes
 from systems.policy_support import profiles, selection
+from systems.policy_support.tier_traffic import TrafficLedger, move_pages, swap_pages
 
 
 @dataclass
@@ -112,7 +112,7 @@ class FlexiCache(Policy):
         self._page_index = torch.arange(kv.block_table.shape[-1], device=kv.device)
         self.bytes_per_block = block_bytes(kv.page_size, kv.head_dim, kv.k_pool.element_size())
         self.minmax_bytes_per_page = 2 * kv.head_dim * kv.kmin.element_size()
-        self._stats: dict[int, dict[str, Any]] = {}
+        self.traffic = TrafficLedger()
         self._pending: dict[int, tuple] = {}
         self._held: dict[int, tuple] = {}         # layer -> (batch key, stable heads' resident pages)
         self._rule_sets: tuple | None = None      # (batch key, held [L, B, Hkv, W], widths) for decode_page_rule
@@ -156,9 +156,7 @@ class FlexiCache(Policy):
 
     def reset(self, slot: int) -> None:
         self._forget()
-        self._stats[slot] = {"promoted_pages": 0, "released_pages": 0, "offloaded_pages": 0, "reranks": 0,
-                             "head_reranks": 0, "topk_pages_reranked": 0, "copy_time_s": 0.0,
-                             "promoted_per_step": [], "_step": -1}
+        self.traffic.reset(slot)
 
     # ---- hooks ---------------------------------------------------------------------------------------------------
     def after_prefill_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -169,21 +167,20 @@ class FlexiCache(Policy):
         slot, P = seq.slot, kv.page_size
         n = int(kv.num_tokens[slot, layer, 0])
         n_pages, full = -(-n // P), n // P
-        stats = self._stats[slot]
         t0 = time.perf_counter()
         if full:
             hh = stable.repeat_interleave(full)
             pp = torch.arange(full, device=kv.device).repeat(stable.numel())
-            self._tier_call(kv.offload_pages, slot, layer, hh, pp)
-            stats["offloaded_pages"] += hh.numel()
+            move_pages(kv.offload_pages, slot, layer, hh, pp)
+            self.traffic.add(slot, "offloaded_pages", hh.numel())
         if n_pages > self.top_k:
             last_q = selection.group_queries(q[-1:], kv.num_kv_heads, stable)
             top = kv.top_pages(torch.tensor([slot], device=kv.device), layer, last_q, self.top_k, keep_last=True,
                                heads=stable, width=n_pages)[0]                                   # [s, K]
             hi, pp = (~selection.as_mask(top, n_pages)).nonzero(as_tuple=True)
-            self._tier_call(kv.release_device_pages, slot, layer, stable[hi], pp)
-            stats["released_pages"] += pp.numel()
-        stats["copy_time_s"] += time.perf_counter() - t0
+            move_pages(kv.release_device_pages, slot, layer, stable[hi], pp)
+            self.traffic.add(slot, "released_pages", pp.numel())
+        self.traffic.add(slot, "copy_time_s", time.perf_counter() - t0)
 
     def after_extend_layer(self, kv: KVView, seq: SeqInfo, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         """A query-agnostic question appended after the compressed context: the stable heads' pages it filled get
@@ -198,24 +195,14 @@ class FlexiCache(Policy):
         pp = torch.arange(first, full, device=kv.device).repeat(stable.numel())
         fresh = kv.host_table[seq.slot, layer, hh, pp] == 0
         t0 = time.perf_counter()
-        self._tier_call(kv.offload_pages, seq.slot, layer, hh[fresh], pp[fresh])
-        stats = self._stats[seq.slot]
-        stats["offloaded_pages"] += int(fresh.sum())
-        stats["copy_time_s"] += time.perf_counter() - t0
+        move_pages(kv.offload_pages, seq.slot, layer, hh[fresh], pp[fresh])
+        self.traffic.add(seq.slot, "offloaded_pages", int(fresh.sum()))
+        self.traffic.add(seq.slot, "copy_time_s", time.perf_counter() - t0)
 
     def fork(self, kv: KVView, src: int, dst: int) -> None:
         """A reader starts with the source's counters (what its cache went through so far)."""
-        if src not in self._stats:
-            self.reset(dst)
-            return
         self._forget()
-        self._stats[dst] = {key: list(v) if isinstance(v, list) else v for key, v in self._stats[src].items()}
-
-    @staticmethod
-    def _tier_call(fn: Callable[..., None], slot: int, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> None:
-        n = heads.numel()
-        fn(torch.full((n,), slot, dtype=torch.long, device=heads.device),
-           torch.full((n,), layer, dtype=torch.long, device=heads.device), heads, pages)
+        self.traffic.fork(src, dst)
 
     def _reranks(self, seqs: list[SeqInfo]) -> list[int]:
         if self.naive:
@@ -328,12 +315,10 @@ class FlexiCache(Policy):
             b, h, page = b[fresh], h[fresh], page[fresh]
             kv.offload_pages(slots[b], torch.full_like(b, layer), h, page)
             for slot, n in zip(*torch.unique(slots[b], return_counts=True)):
-                self._stats[int(slot)]["offloaded_pages"] += int(n)
+                self.traffic.add(int(slot), "offloaded_pages", int(n))
         if pending is not None:
             self._apply_rerank(kv, step, *pending)
-        dt = time.perf_counter() - t0
-        for seq in step.seqs:                                         # copy time split evenly over the batch
-            self._stats[seq.slot]["copy_time_s"] += dt / len(step.seqs)
+        self.traffic.add_copy_time(step.seqs, time.perf_counter() - t0)
 
     def _apply_rerank(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, top: torch.Tensor) -> None:
         """The reranked rows' stable heads: the new top-K (the last page among it) against what they hold now."""
@@ -349,34 +334,14 @@ class FlexiCache(Policy):
     def _swap(self, kv: KVView, step: DecodeStep, rows: torch.Tensor, heads: torch.Tensor, resident: torch.Tensor,
               chosen: torch.Tensor) -> None:
         """Promote the pages new in `chosen` into the blocks of the pages that left it, free the leftovers."""
-        R, S, M = resident.shape
-        incoming, evicted = selection.swap_map(resident.reshape(R * S, M), chosen.reshape(R * S, M))
-        pair_row, page, recycle, left_row, left_page = selection.pair_for_recycling(incoming, evicted)
-        slot_of = step.slots[rows].repeat_interleave(S)
-        head_of = heads.repeat(R)
-        layer = torch.full_like(pair_row, step.layer)
-        kv.promote_pages(slot_of[pair_row], layer, head_of[pair_row], page, recycle=recycle)
-        kv.release_device_pages(slot_of[left_row], torch.full_like(left_row, step.layer), head_of[left_row],
-                                left_page)
-        promoted = torch.bincount(pair_row // S, minlength=R).tolist()
-        released = torch.bincount(left_row // S, minlength=R).tolist()
+        promoted, released = swap_pages(kv, step.slots[rows], step.layer, heads, resident, chosen)
         topk_pages = chosen.sum((-1, -2)).tolist()
         for i, b in enumerate(rows.tolist()):
-            seq = step.seqs[b]
-            st = self._stats[seq.slot]
-            if st["_step"] != seq.decode_step:
-                st["_step"] = seq.decode_step
-                st["promoted_per_step"].append(0)
-                st["reranks"] += 1
-            st["promoted_per_step"][-1] += promoted[i]
-            st["promoted_pages"] += promoted[i]
-            st["released_pages"] += released[i]
-            st["head_reranks"] += S
-            st["topk_pages_reranked"] += topk_pages[i]
+            self.traffic.reranked(step.seqs[b], heads.numel(), promoted[i], released[i], topk_pages[i])
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         stats = super().kv_stats(kv, seq)
-        st = {k: v for k, v in self._stats.get(seq.slot, {}).items() if not k.startswith("_")}
+        st = self.traffic.summary(seq.slot)
         tokens = int(kv.num_tokens[seq.slot].max())
         n_unstable = int(self.unstable.sum())
         st["bytes_host_to_device"] = st.get("promoted_pages", 0) * self.bytes_per_block

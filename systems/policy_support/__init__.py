@@ -1,2 +1,2 @@
 """Building blocks the KV policies share (token indicators, page selection, layer budget allocation, fixed-budget
-bookkeeping, head profiles). Not policies: `system.policy` names only modules of systems/policies."""
+bookkeeping, head profiles, tier traffic). Not policies: `system.policy` names only modules of systems/policies."""

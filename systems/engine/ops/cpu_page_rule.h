@@ -111,7 +111,10 @@ PageRule page_rule(const Storage& st, int64_t B, int64_t num_q_heads, int64_t fi
                   rule_scored->scalar_type() == at::kBool && rule_scored->dim() == 2 &&
                   rule_scored->size(0) >= last && rule_scored->size(1) == st.Hkv,
               "page rule: held [L, B, Hkv, W] int64 (W within chosen), scored [L, Hkv] bool");
-  TORCH_CHECK(held.numel() == 0 || (held.min().item<int64_t>() >= -1 && held.max().item<int64_t>() < st.M),
+  // only the call's layers: a step run one layer per call checks each layer once, not the whole stack per call
+  const at::Tensor held_here = held.narrow(0, first, last - first);
+  TORCH_CHECK(held_here.numel() == 0 ||
+                  (held_here.min().item<int64_t>() >= -1 && held_here.max().item<int64_t>() < st.M),
               "page rule: a held page outside [0, the pages a head can hold) and PAD (-1)");
   const int64_t top = std::min(kp[0], rule_width);
   for (int64_t i = 0; i < last - first; ++i) {
