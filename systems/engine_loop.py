@@ -22,9 +22,10 @@ engine's state (`EngineStats`), which is all /health and /metrics know of the en
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from systems.base import GenerationRequest
@@ -39,7 +40,8 @@ Event = tuple[str, tuple]        # (request id, event)
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What the HTTP side shows of the engine: serving or not, batch size, both KV tiers' use, the last failure."""
+    """What the HTTP side shows of the engine: serving or not, batch size, both KV tiers' use, the last failure, and
+    its forwards by kind."""
 
     serving: bool = False
     running: int = 0
@@ -48,12 +50,13 @@ class EngineStats:
     host_blocks_free: int = 0
     host_blocks_used: int = 0
     last_error: str = ""
+    steps: dict[str, float] = field(default_factory=dict)    # the engine's StepTally, as a dict
 
 
 def engine_stats(engine: Engine, serving: bool, last_error: str = "") -> EngineStats:
     dev, host = engine.kv.device_blocks, engine.kv.host_blocks
     return EngineStats(serving, len(engine.scheduler.running), dev.num_free, dev.num_used, host.num_free, host.num_used,
-                       last_error)
+                       last_error, dataclasses.asdict(engine.tally))
 
 
 class EnginePort(Protocol):

@@ -125,7 +125,10 @@ class OpenAIServer:
                 "kv": {"device_blocks_free": st.device_blocks_free, "device_blocks_used": st.device_blocks_used,
                        "device_blocks_total": self.facts.device_blocks, "host_blocks_free": st.host_blocks_free,
                        "host_blocks_used": st.host_blocks_used,
-                       "host_blocks_total": st.host_blocks_free + st.host_blocks_used}}
+                       "host_blocks_total": st.host_blocks_free + st.host_blocks_used},
+                # the engine's forwards by kind since it started (pure decode, decode beside a prompt chunk,
+                # prompt only): counts, decode rows, wall seconds; a client diffs two snapshots
+                "steps": dict(st.steps)}
 
     async def health(self, request: web.Request) -> web.Response:
         snap = self.snapshot()
@@ -140,6 +143,9 @@ class OpenAIServer:
             lines += [f"# TYPE kvharness_requests_{key} gauge", f"kvharness_requests_{key} {snap[key]}"]
         for key, value in snap["kv"].items():
             lines += [f"# TYPE kvharness_kv_{key} gauge", f"kvharness_kv_{key} {value}"]
+        for key, value in snap["steps"].items():
+            name = f"kvharness_engine_{key[:-2] + '_seconds' if key.endswith('_s') else key}_total"
+            lines += [f"# TYPE {name} counter", f"{name} {value}"]
         lines.append("# TYPE kvharness_http_responses_total counter")
         lines += [f'kvharness_http_responses_total{{code="{c}"}} {n}' for c, n in sorted(self.http_status.items())]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

@@ -96,10 +96,19 @@ def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_pat
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = list(csv.DictReader(open(tmp_path / "online_sweep" / "rates.csv")))
     # one row per client (the harness's and `vllm bench serve`) and rate, each client serving every request
-    assert sorted((r["client"], float(r["request_rate"])) for r in table) == sorted(
-        {(r["client"], rate) for r in table for rate in (4.0, 8.0)}) and len({r["client"] for r in table}) == 2
+    # (the sweep's rounds repeat each pair)
+    pairs = [(r["client"], float(r["request_rate"])) for r in table]
+    assert set(pairs) == {(r["client"], rate) for r in table for rate in (4.0, 8.0)}
+    assert len({r["client"] for r in table}) == 2 and len({pairs.count(x) for x in pairs}) == 1
     assert all(int(r["completed"]) == 4 for r in table)
     assert all(float(r["mean_tpot_ms"]) > 0 and float(r["mean_ttft_ms"]) > 0 for r in table)
+    # the server's step tallies: every decode token of the harness client's 4 requests (all but each one's first,
+    # which its prompt's last chunk makes), counted once; `vllm bench serve` sends a test request of its own first
+    for r in table:
+        tokens = int(float(r["decode_tokens"]))
+        assert tokens == 4 * 7 if r["client"] == "harness client" else tokens >= 4 * 7
+        assert int(float(r["decode_steps"])) + int(float(r["mixed_steps"])) > 0
+    assert "beside a prompt chunk" in (tmp_path / "online_sweep" / "summary.md").read_text()
     # A rerun finds every rate on disk and starts no server.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "starting its server" not in again.stdout + again.stderr
@@ -151,6 +160,31 @@ def test_versus_lines_name_each_ratio_and_compare_the_reference_with_the_rest():
                           ["dense", "vllm"])
     assert failed == ["harness client, 0.2 req/s: mean TPOT / ITL `flexi` 60.0 / 60.0 ms on 1.50 cores; "
                       "`dense` — / — ms on 1.50 cores; `vllm` 0.0 / 0.0 ms on 1.50 cores"]
+
+
+def test_step_split_says_where_decode_tokens_were_made_and_what_each_kind_of_step_cost():
+    from harness.experiments.online_sweep.rates import step_split
+    from harness.experiments.online_sweep.report import step_line
+
+    split = step_split({"decode_steps": 100, "decode_rows": 300, "decode_s": 3.0, "mixed_steps": 10,
+                        "mixed_rows": 20, "mixed_s": 5.0, "prompt_steps": 2, "prompt_s": 1.0})
+    assert split == {"decode_tokens": 320, "beside_prompt_share": 20 / 320, "mixed_steps": 10,
+                     "mixed_step_ms": 500.0, "mixed_rows_per_step": 2.0, "decode_steps": 100,
+                     "decode_step_ms": 30.0, "decode_rows_per_step": 3.0}
+    assert step_split(None) == {}                                     # vLLM: no tallies, no columns
+    none = step_split({"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "mixed_steps": 0, "mixed_rows": 0,
+                       "mixed_s": 0.0, "prompt_steps": 1, "prompt_s": 0.5})
+    assert none["beside_prompt_share"] is None and none["mixed_step_ms"] is None
+    rows = [{"system": "flexi", "request_rate": 0.3, **split}, {"system": "dense", "request_rate": 0.3,
+            **step_split({"decode_steps": 100, "decode_rows": 300, "decode_s": 3.0, "mixed_steps": 5,
+                          "mixed_rows": 5, "mixed_s": 2.5, "prompt_steps": 0, "prompt_s": 0.0})},
+            {"system": "vllm", "request_rate": 0.3}, {"system": "flexi", "request_rate": 0.1, **split}]
+    line = step_line(rows, "flexi", ["dense", "vllm"])
+    assert line.startswith("where the decode tokens were made at 0.3 req/s (harness client): `flexi` 6 % of its "
+                           "decode tokens beside a prompt chunk (500.0 ms per such step, 2.0 rows; 30.0 ms per "
+                           "decode-only step, 3.0 rows); `dense` 2 % of")
+    assert "`vllm`" not in line
+    assert step_line([{"system": "vllm", "request_rate": 0.3}], "flexi", ["vllm"]) is None
 
 
 @pytest.mark.slow

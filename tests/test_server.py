@@ -148,6 +148,15 @@ def test_models_and_health(client, server):
                                      "aborted"}
     metrics = httpx.get(server.url + "/metrics").text
     assert f"kvharness_requests_completed_total {snap['requests']['completed']}" in metrics
+    # the engine's forwards by kind: a request of 4 tokens makes 3 of them in decode rows
+    before = wait_idle(server)["steps"]
+    client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    steps = wait_idle(server)["steps"]
+    assert steps["decode_rows"] + steps["mixed_rows"] - before["decode_rows"] - before["mixed_rows"] == 3
+    metrics = httpx.get(server.url + "/metrics").text
+    assert steps["decode_rows"] + steps["mixed_rows"] > 0 and steps["decode_s"] > 0
+    assert f"kvharness_engine_decode_rows_total {steps['decode_rows']}" in metrics
+    assert "kvharness_engine_mixed_seconds_total" in metrics
 
 
 @pytest.mark.parametrize("body, param", [

@@ -44,3 +44,11 @@ def wait_idle(server: Server, timeout_s: float = 60.0) -> None:
         if snap["running"] == 0 and snap["waiting"] == 0:
             return
         time.sleep(0.2)
+
+
+def engine_steps(server: Server) -> dict[str, float] | None:
+    """The engine server's forwards by kind since it started (its /health `steps`); None for a server without them
+    (vLLM)."""
+    snap = _get_json(server.url + "/health")
+    steps = snap.get("steps") if snap else None
+    return dict(steps) if isinstance(steps, dict) and steps else None

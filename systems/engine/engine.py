@@ -9,6 +9,7 @@ import logging
 import numbers
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,35 @@ log = logging.getLogger("kvharness.engine")
 def _ids_ok(ids: Any, vocab: int) -> bool:
     # numbers.Integral: numpy and torch integer scalars are fine ids too; bool is an int but never a token
     return all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= int(t) < vocab for t in ids)
+
+
+@dataclass
+class StepTally:
+    """The engine's forwards since it started, by kind: pure decode steps, mixed steps (decode rows beside a prompt
+    chunk) and prompt-only steps; their count, decode rows and wall seconds. Under chunked prefill a decode row in a
+    mixed step waits for the chunk, so a server's tally says where its TPOT went."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0
+    decode_s: float = 0.0
+    mixed_steps: int = 0
+    mixed_rows: int = 0
+    mixed_s: float = 0.0
+    prompt_steps: int = 0
+    prompt_s: float = 0.0
+
+    def add(self, rows: int, with_chunk: bool, seconds: float) -> None:
+        if not with_chunk:
+            self.decode_steps += 1
+            self.decode_rows += rows
+            self.decode_s += seconds
+        elif rows:
+            self.mixed_steps += 1
+            self.mixed_rows += rows
+            self.mixed_s += seconds
+        else:
+            self.prompt_steps += 1
+            self.prompt_s += seconds
 
 
 class Engine:
@@ -73,6 +103,7 @@ class Engine:
         self._order = 0
         self.minmax_peak_bytes = 0
         self.steps = {"prefill": 0, "decode": 0}
+        self.tally = StepTally()
 
     def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         """Queue one request; a value that could fail a step is refused here, before it can share a batch."""
@@ -167,6 +198,7 @@ class Engine:
             if self.runner.probe is not None:
                 self.runner.probe.before_step(work.chunks)
             try:
+                started = time.perf_counter()
                 logits = self.runner.run_step(work.decodes, work.chunks)
             except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone
                 in_step = work.decodes + [s for s, _, _ in work.chunks]
@@ -180,6 +212,7 @@ class Engine:
                 work.decodes, work.chunks = [], []
             else:
                 self.steps["prefill" if work.chunks else "decode"] += 1
+                self.tally.add(len(work.decodes), bool(work.chunks), time.perf_counter() - started)
         for seq, _, end in work.chunks:
             seq.num_computed = end
         seqs, logits = self._token_rows(work, logits)

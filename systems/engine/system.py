@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from systems.base import Completion, GenerationRequest, MemoryReport, cut_at_stop
-from systems.engine.engine import Engine
+from systems.engine.engine import Engine, StepTally
 from systems.engine.ops import cpu_kernels
 from systems.policies import load_policy
 from systems.policies.base import Policy
@@ -122,6 +122,7 @@ class EngineSystem:
         self.engine.scheduler.num_preemptions = 0
         self.engine.scheduler.prefixes.kept = 0
         self.engine.steps = {"prefill": 0, "decode": 0}
+        self.engine.tally = StepTally()
 
     def close(self) -> None:
         """Free the model and the KV pools; the system cannot generate afterwards."""

@@ -12,7 +12,7 @@ from harness.experiments.online_sweep.params import Params
 from harness.integrations.assets import essay_files
 from harness.measuring.cpu_usage import CpuTrace
 from harness.measuring.loadgen import Prompt, arrival_times, run_load
-from harness.measuring.servers import Server, start_server, wait_idle
+from harness.measuring.servers import Server, engine_steps, start_server, wait_idle
 from harness.measuring.serving_stats import summarize as serving_stats
 from harness.measuring.vllm_bench import bench_serve
 from harness.running.experiment import Run
@@ -50,7 +50,29 @@ def run_rate(server: Server, prompts: list[Prompt], rate: float, p: Params, seed
 def _with_cpu(result: dict) -> dict:
     cpu = result.get("cpu") or {}
     return {**result["summary"], "cores_busy": cpu.get("cores_busy"), "busy_threads": cpu.get("busy_threads"),
-            "cpus_allowed": cpu.get("cpus_allowed"), "cpu_window": cpu.get("window", "client's load")}
+            "cpus_allowed": cpu.get("cpus_allowed"), "cpu_window": cpu.get("window", "client's load"),
+            **step_split(result.get("steps"))}
+
+
+STEP_KEYS = ("decode_tokens", "beside_prompt_share", "mixed_steps", "mixed_step_ms", "mixed_rows_per_step",
+             "decode_steps", "decode_step_ms", "decode_rows_per_step")
+
+
+def step_split(steps: dict | None) -> dict[str, float | None]:
+    """Where an engine server's decode tokens were made during one measurement (the difference of its step tallies
+    before and after): how many shared their step with a prompt chunk, and what each kind of step cost. Empty for a
+    server without tallies."""
+    if not steps:
+        return {}
+    rows = steps["mixed_rows"] + steps["decode_rows"]
+
+    def per(total: float, count: float, scale: float = 1.0) -> float | None:
+        return scale * total / count if count else None
+    return {"decode_tokens": rows, "beside_prompt_share": per(steps["mixed_rows"], rows),
+            "mixed_steps": steps["mixed_steps"], "mixed_step_ms": per(steps["mixed_s"], steps["mixed_steps"], 1e3),
+            "mixed_rows_per_step": per(steps["mixed_rows"], steps["mixed_steps"]),
+            "decode_steps": steps["decode_steps"], "decode_step_ms": per(steps["decode_s"], steps["decode_steps"], 1e3),
+            "decode_rows_per_step": per(steps["decode_rows"], steps["decode_steps"])}
 
 
 def key_of(cell: GridCell, p: Params) -> str:
@@ -123,6 +145,7 @@ def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: Cel
             if (rate, round_, client) in todo:
                 assert server is not None
                 wait_idle(server)
+                steps_before = engine_steps(server)
                 with CpuTrace(server.process.pid) as meter:
                     if client == "harness":
                         result = run_rate(server, [Prompt(w, len(w)) for w in windows[:n]], rate, p, cfg.seed)
@@ -136,6 +159,9 @@ def sweep(run: Run[Params], cell: GridCell, windows: list[list[int]], store: Cel
                          else meter.usage_of_last(result["summary"]["duration"]))
                 assert usage is not None
                 result["cpu"] = {**usage.as_dict(), "window": "in flight" if span else "client's load"}
+                steps_after = engine_steps(server)
+                if steps_before and steps_after:
+                    result["steps"] = {k: steps_after[k] - steps_before[k] for k in steps_after}
                 atomic_write_json(path, result)
                 s = result["summary"]
                 log.info("rate %g round %d, %s, %s: %d/%d completed, mean TTFT %.1f ms, mean TPOT %.1f ms", rate,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.experiments.online_sweep.params import Params
+from harness.experiments.online_sweep.rates import STEP_KEYS
 from harness.reporting import plots, uncertainty
 from harness.reporting.tables import finite, fmt
 from harness.running.experiment import Run
@@ -13,7 +14,7 @@ CSV_KEYS = ["system", "client", "request_rate", "round", "burstiness", "num_prom
             "completed", "failed", "rejected", "duration", "request_throughput", "request_goodput", "output_throughput",
             "total_token_throughput", "total_input_tokens", "total_output_tokens", *STAT_KEYS,
             "max_output_tokens_per_s", "max_concurrent_requests", "cores_busy", "busy_threads", "cpus_allowed",
-            "cpu_window"]
+            "cpu_window", *STEP_KEYS]
 
 
 SUSTAINED = ("every request done, the last within 1/0.9 of the time a queue-free run needs: the last arrival plus "
@@ -76,6 +77,22 @@ def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
     return out
 
 
+def step_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
+    """At the highest rate: the share of each engine server's decode tokens made beside a prompt chunk, and what its
+    two kinds of step cost; TPOT follows these (a row beside a chunk waits for it)."""
+    top = max(r["request_rate"] for r in rows)
+    at = {r["system"]: r for r in rows if r["request_rate"] == top and r.get("decode_tokens")}
+    parts = [f"`{s}` {100 * at[s]['beside_prompt_share']:.0f} % of its decode tokens beside a prompt chunk "
+             f"({fmt(at[s]['mixed_step_ms'])} ms per such step, {fmt(at[s]['mixed_rows_per_step'])} rows; "
+             f"{fmt(at[s]['decode_step_ms'])} ms per decode-only step, {fmt(at[s]['decode_rows_per_step'])} rows)"
+             for s in (focus, *versus) if s in at and at[s].get("beside_prompt_share") is not None]
+    if not parts:
+        return None
+    return (f"where the decode tokens were made at {top:g} req/s (harness client): " + "; ".join(parts)
+            + ". Under chunked prefill a decode row in a step with a prompt chunk waits for that chunk, so a server "
+            "that admits more requests at once (lower TTFT) puts more of its decode tokens there (higher TPOT).")
+
+
 def _tpot(row: dict) -> float | None:
     """A row's mean TPOT where it is a measurement (None where no request completed: 0, None or NaN)."""
     value = row.get("mean_tpot_ms")
@@ -83,7 +100,8 @@ def _tpot(row: dict) -> float | None:
 
 
 POOLED_MEANS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "cores_busy")
+                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "cores_busy",
+                *STEP_KEYS)
 
 
 LATENCY_KEYS = frozenset(k for k in POOLED_MEANS if k.endswith("_ms"))
@@ -157,6 +175,7 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
         bullets = [line] if p.focus and p.versus and (line := focus_line(main, p.focus, p.versus)) else []
         if p.focus and p.versus:
             bullets += versus_lines(rows, p.focus, p.versus)
+            bullets += [line] if (line := step_line(main, p.focus, p.versus)) else []
         summary.glance(f"at {top:g} req/s (the highest rate) mean " + "; ".join(
             f"`{r['system']}` TPOT {fmt(r['mean_tpot_ms'])} ms, TTFT {fmt(r['mean_ttft_ms'])} ms (p99 "
             f"{fmt(r['p99_ttft_ms'])}), {r['completed']}/{r['num_prompts']} completed"
@@ -178,6 +197,20 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                    "out tok/s", "mean TTFT", "median TTFT", "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT",
                    "mean ITL", "p99 ITL", "mean E2EL", "peak concurrency", "cores busy", "busy threads", "CPUs"],
                   [[r.get(k, "harness client" if k == "client" else None) for k in keys] for r in per_round], 1)
+    split = [r for r in per_round if r.get("decode_tokens")]
+    if split:
+        summary.text("Where the engine servers' decode tokens were made (from the server's step tallies, read "
+                     "before and after each measurement): in decode-only steps, or beside a prompt chunk in a mixed "
+                     "step (chunked prefill: a step's token budget takes the running requests' decode rows, then a "
+                     "chunk of a waiting prompt). A row in a mixed step waits for its chunk. vLLM reports no such "
+                     "tally.")
+        summary.table(["system", "client", "rate req/s", *(["round"] if repeated else []), "decode tokens",
+                       "beside a prompt %", "mixed steps", "ms per mixed step", "rows per mixed step",
+                       "decode-only steps", "ms per decode-only step", "rows per decode-only step"],
+                      [[r["system"], r.get("client", "harness client"), r["request_rate"],
+                        *([r.get("round", 1)] if repeated else []), r["decode_tokens"],
+                        100 * r["beside_prompt_share"] if r.get("beside_prompt_share") is not None else None,
+                        *(r.get(k) for k in STEP_KEYS[2:])] for r in split], 1)
     agreement = client_agreement(rows)
     if agreement:
         how = ("the mean of the rounds' differences with a Student t interval over rounds (a round runs the "
