@@ -50,7 +50,8 @@ class EngineStats:
     host_blocks_free: int = 0
     host_blocks_used: int = 0
     last_error: str = ""
-    steps: dict[str, float] = field(default_factory=dict)    # the engine's StepTally, as a dict
+    # the engine's StepTally, as a dict: it changes every step, so it rides along with each send without causing one
+    steps: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 def engine_stats(engine: Engine, serving: bool, last_error: str = "") -> EngineStats:

@@ -164,3 +164,25 @@ def test_invariants_hold_with_shared_contexts(tiny_llama_dir, name):
     assert forked > 0 and engine.scheduler.prefixes.kept > 0           # readers did share built prefixes
     if name == "dense":
         assert engine.scheduler.num_preemptions > 0                  # the pool was tight enough to preempt
+
+
+@pytest.mark.parametrize("name", ["dense", "flexicache"])
+def test_the_step_tally_counts_every_decode_row_once_by_the_kind_of_its_step(tiny_llama_dir, name):
+    """Without preemption every output token but a request's first comes from a decode row; staggered arrivals put
+    some rows beside a later request's prompt chunks (chunked prefill, 512 tokens per step)."""
+    engine = _engine(tiny_llama_dir, load_policy(MODULE.get(name, name), POLICIES[name]), blocks=2000)
+    g = torch.Generator().manual_seed(0)
+    seqs, step = [], 0
+    arrivals = {0: 700, 3: 900, 6: 40}                                    # engine step -> prompt length
+    while step in arrivals or engine.scheduler.has_work() or step < max(arrivals):
+        if step in arrivals:
+            prompt = torch.randint(3, 200, (arrivals[step],), generator=g).tolist()
+            seqs.append(engine.add_request(GenerationRequest(f"r{step}", prompt, 12, ignore_eos=True)))
+        engine.step()
+        step += 1
+    t = engine.tally
+    assert engine.scheduler.num_preemptions == 0
+    assert t.decode_rows + t.mixed_rows == sum(s.num_output_tokens - 1 for s in seqs) == 3 * 11
+    assert t.mixed_steps > 0 and t.mixed_rows >= t.mixed_steps and t.decode_steps > 0 and t.prompt_steps > 0
+    assert engine.steps == {"prefill": t.mixed_steps + t.prompt_steps, "decode": t.decode_steps}
+    assert min(t.decode_s, t.mixed_s, t.prompt_s) > 0

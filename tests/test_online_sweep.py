@@ -105,10 +105,12 @@ def test_tiny_end_to_end_sweep_through_the_engine_server(tiny_llama_dir, tmp_pat
     # the server's step tallies: every decode token of the harness client's 4 requests (all but each one's first,
     # which its prompt's last chunk makes), counted once; `vllm bench serve` sends a test request of its own first
     for r in table:
-        tokens = int(float(r["decode_tokens"]))
-        assert tokens == 4 * 7 if r["client"] == "harness client" else tokens >= 4 * 7
+        rows = int(float(r["decode_rows"]))
+        assert rows == 4 * 7 if r["client"] == "harness client" else rows >= 4 * 7
         assert int(float(r["decode_steps"])) + int(float(r["mixed_steps"])) > 0
-    assert "beside a prompt chunk" in (tmp_path / "online_sweep" / "summary.md").read_text()
+    md = (tmp_path / "online_sweep" / "summary.md").read_text()
+    split = md.split("Where the engine servers' decode rows ran", 1)[1]
+    assert sum(line.startswith("| engine-dense | 4.0 |") and "| 28 |" in line for line in split.splitlines()) == 3
     # A rerun finds every rate on disk and starts no server.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "starting its server" not in again.stdout + again.stderr
@@ -162,29 +164,48 @@ def test_versus_lines_name_each_ratio_and_compare_the_reference_with_the_rest():
                       "`dense` — / — ms on 1.50 cores; `vllm` 0.0 / 0.0 ms on 1.50 cores"]
 
 
-def test_step_split_says_where_decode_tokens_were_made_and_what_each_kind_of_step_cost():
+def test_step_split_says_where_decode_rows_ran_and_what_each_kind_of_step_cost():
     from harness.experiments.online_sweep.rates import step_split
     from harness.experiments.online_sweep.report import step_line
 
-    split = step_split({"decode_steps": 100, "decode_rows": 300, "decode_s": 3.0, "mixed_steps": 10,
-                        "mixed_rows": 20, "mixed_s": 5.0, "prompt_steps": 2, "prompt_s": 1.0})
-    assert split == {"decode_tokens": 320, "beside_prompt_share": 20 / 320, "mixed_steps": 10,
+    tally = {"decode_steps": 100, "decode_rows": 300, "decode_s": 3.0, "mixed_steps": 10, "mixed_rows": 20,
+             "mixed_s": 5.0, "prompt_steps": 2, "prompt_s": 1.0}
+    split = step_split(tally)
+    assert split == {"decode_rows": 320, "beside_prompt_share": 20 / 320, "mixed_steps": 10,
                      "mixed_step_ms": 500.0, "mixed_rows_per_step": 2.0, "decode_steps": 100,
-                     "decode_step_ms": 30.0, "decode_rows_per_step": 3.0}
+                     "decode_step_ms": 30.0, "decode_rows_per_step": 3.0, "prompt_steps": 2, "prompt_step_ms": 500.0}
     assert step_split(None) == {}                                     # vLLM: no tallies, no columns
-    none = step_split({"decode_steps": 0, "decode_rows": 0, "decode_s": 0.0, "mixed_steps": 0, "mixed_rows": 0,
-                       "mixed_s": 0.0, "prompt_steps": 1, "prompt_s": 0.5})
-    assert none["beside_prompt_share"] is None and none["mixed_step_ms"] is None
+    idle = step_split({**tally, "decode_steps": 0, "decode_rows": 0, "mixed_steps": 0, "mixed_rows": 0})
+    assert idle["beside_prompt_share"] is None and idle["mixed_step_ms"] is None
     rows = [{"system": "flexi", "request_rate": 0.3, **split}, {"system": "dense", "request_rate": 0.3,
-            **step_split({"decode_steps": 100, "decode_rows": 300, "decode_s": 3.0, "mixed_steps": 5,
-                          "mixed_rows": 5, "mixed_s": 2.5, "prompt_steps": 0, "prompt_s": 0.0})},
+            **step_split({**tally, "mixed_steps": 5, "mixed_rows": 5, "mixed_s": 2.5})},
             {"system": "vllm", "request_rate": 0.3}, {"system": "flexi", "request_rate": 0.1, **split}]
     line = step_line(rows, "flexi", ["dense", "vllm"])
-    assert line.startswith("where the decode tokens were made at 0.3 req/s (harness client): `flexi` 6 % of its "
-                           "decode tokens beside a prompt chunk (500.0 ms per such step, 2.0 rows; 30.0 ms per "
-                           "decode-only step, 3.0 rows); `dense` 2 % of")
+    assert line.startswith("where the decode rows ran at 0.3 req/s (harness client; a row waits for the prompt "
+                           "chunk its step runs beside): `flexi` 6 % of its decode rows beside a prompt chunk "
+                           "(500.0 ms per such step, 2.0 rows; 30.0 ms per decode-only step, 3.0 rows); `dense` 2 %")
     assert "`vllm`" not in line
     assert step_line([{"system": "vllm", "request_rate": 0.3}], "flexi", ["vllm"]) is None
+
+
+def test_rounds_pool_their_step_tallies_before_the_split():
+    """Over rounds the split is taken of the summed tallies (a share of all rows, ms per step over all steps), not an
+    average of each round's ratios; a round without a tally leaves the pooled split empty."""
+    from harness.experiments.online_sweep.rates import step_split
+    from harness.experiments.online_sweep.report import pooled
+
+    def row(round_, tally):
+        return {"system": "dense", "client": "harness client", "request_rate": 0.3, "round": round_,
+                "completed": 4, "duration": 10.0, "steps": tally, **step_split(tally)}
+    a = {"decode_steps": 10, "decode_rows": 10, "decode_s": 1.0, "mixed_steps": 1, "mixed_rows": 10, "mixed_s": 0.5,
+         "prompt_steps": 0, "prompt_s": 0.0}
+    b = {**a, "decode_steps": 30, "decode_rows": 90, "decode_s": 0.9, "mixed_rows": 0, "mixed_steps": 0,
+         "mixed_s": 0.0}
+    (both,) = pooled([row(1, a), row(2, b)])
+    assert both["decode_rows"] == 110 and both["beside_prompt_share"] == 10 / 110
+    assert both["decode_step_ms"] == 1.9 / 40 * 1e3 and both["mixed_step_ms"] == 500.0
+    (partial,) = pooled([row(1, a), {**row(2, None), "steps": None}])
+    assert partial["decode_rows"] is None and partial["beside_prompt_share"] is None
 
 
 @pytest.mark.slow

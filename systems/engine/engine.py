@@ -37,9 +37,11 @@ def _ids_ok(ids: Any, vocab: int) -> bool:
 
 @dataclass
 class StepTally:
-    """The engine's forwards since it started, by kind: pure decode steps, mixed steps (decode rows beside a prompt
-    chunk) and prompt-only steps; their count, decode rows and wall seconds. Under chunked prefill a decode row in a
-    mixed step waits for the chunk, so a server's tally says where its TPOT went."""
+    """The engine's steps that ran a forward, since it started (or the system's reset_stats), by kind: decode-only
+    steps, mixed steps (decode rows beside a prompt chunk) and prompt-only steps; their count, decode rows and wall
+    seconds from scheduling to the sampled tokens. A decode row makes one token of a running sequence (a sequence's
+    first token, and its next one after a preemption, come from its prompt's last chunk instead). Under chunked
+    prefill a decode row in a mixed step waits for the chunk."""
 
     decode_steps: int = 0
     decode_rows: int = 0
@@ -194,11 +196,11 @@ class Engine:
             return []
         finished: list[Sequence] = []
         logits = None
+        tallied: tuple[int, bool] | None = None     # (decode rows, with a chunk) of a forward that ran
         if work.decodes or work.chunks:
             if self.runner.probe is not None:
                 self.runner.probe.before_step(work.chunks)
             try:
-                started = time.perf_counter()
                 logits = self.runner.run_step(work.decodes, work.chunks)
             except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone
                 in_step = work.decodes + [s for s, _, _ in work.chunks]
@@ -212,16 +214,20 @@ class Engine:
                 work.decodes, work.chunks = [], []
             else:
                 self.steps["prefill" if work.chunks else "decode"] += 1
-                self.tally.add(len(work.decodes), bool(work.chunks), time.perf_counter() - started)
+                tallied = (len(work.decodes), bool(work.chunks))
         for seq, _, end in work.chunks:
             seq.num_computed = end
         seqs, logits = self._token_rows(work, logits)
         self._track_minmax()
         if not seqs:                 # only partial chunks: no token yet
+            if tallied:
+                self.tally.add(*tallied, time.perf_counter() - now)
             return finished
         tokens = sample(logits, seqs)
         self._record_logprobs(seqs, logits, tokens)
         stamp = time.perf_counter()  # after sampling, which waits for the device: the token exists now
+        if tallied:
+            self.tally.add(*tallied, stamp - now)
         for seq, tok in zip(seqs, tokens):
             try:
                 if isinstance(tok, Exception):

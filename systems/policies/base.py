@@ -292,7 +292,8 @@ class Policy:
 
     def hooks_prefill(self) -> bool:
         """Whether the policy acts on a finished prompt (overrides after_prefill_layer): the engine then keeps each
-        layer's prompt queries until the prompt's last chunk, and runs that chunk's step layer by layer."""
+        layer's prompt queries until the prompt's last chunk, and runs that chunk's step layer by layer. The engine
+        asks once, at its start, so the answer must depend on the class alone (Engine.set_policy keeps the class)."""
         return type(self).after_prefill_layer is not Policy.after_prefill_layer
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:

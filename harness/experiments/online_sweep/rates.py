@@ -51,28 +51,29 @@ def _with_cpu(result: dict) -> dict:
     cpu = result.get("cpu") or {}
     return {**result["summary"], "cores_busy": cpu.get("cores_busy"), "busy_threads": cpu.get("busy_threads"),
             "cpus_allowed": cpu.get("cpus_allowed"), "cpu_window": cpu.get("window", "client's load"),
-            **step_split(result.get("steps"))}
+            "steps": result.get("steps"), **step_split(result.get("steps"))}
 
 
-STEP_KEYS = ("decode_tokens", "beside_prompt_share", "mixed_steps", "mixed_step_ms", "mixed_rows_per_step",
-             "decode_steps", "decode_step_ms", "decode_rows_per_step")
+STEP_KEYS = ("decode_rows", "beside_prompt_share", "mixed_steps", "mixed_step_ms", "mixed_rows_per_step",
+             "decode_steps", "decode_step_ms", "decode_rows_per_step", "prompt_steps", "prompt_step_ms")
 
 
 def step_split(steps: dict | None) -> dict[str, float | None]:
-    """Where an engine server's decode tokens were made during one measurement (the difference of its step tallies
-    before and after): how many shared their step with a prompt chunk, and what each kind of step cost. Empty for a
-    server without tallies."""
+    """Where an engine server's decode rows ran during one measurement (the difference of its step tallies before
+    and after, or their sum over rounds): how many shared their step with a prompt chunk, and what each kind of step
+    cost. Empty for a server without tallies."""
     if not steps:
         return {}
     rows = steps["mixed_rows"] + steps["decode_rows"]
 
     def per(total: float, count: float, scale: float = 1.0) -> float | None:
         return scale * total / count if count else None
-    return {"decode_tokens": rows, "beside_prompt_share": per(steps["mixed_rows"], rows),
+    return {"decode_rows": rows, "beside_prompt_share": per(steps["mixed_rows"], rows),
             "mixed_steps": steps["mixed_steps"], "mixed_step_ms": per(steps["mixed_s"], steps["mixed_steps"], 1e3),
             "mixed_rows_per_step": per(steps["mixed_rows"], steps["mixed_steps"]),
             "decode_steps": steps["decode_steps"], "decode_step_ms": per(steps["decode_s"], steps["decode_steps"], 1e3),
-            "decode_rows_per_step": per(steps["decode_rows"], steps["decode_steps"])}
+            "decode_rows_per_step": per(steps["decode_rows"], steps["decode_steps"]),
+            "prompt_steps": steps["prompt_steps"], "prompt_step_ms": per(steps["prompt_s"], steps["prompt_steps"], 1e3)}
 
 
 def key_of(cell: GridCell, p: Params) -> str:

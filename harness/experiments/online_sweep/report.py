@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.experiments.online_sweep.params import Params
-from harness.experiments.online_sweep.rates import STEP_KEYS
+from harness.experiments.online_sweep.rates import STEP_KEYS, step_split
 from harness.reporting import plots, uncertainty
 from harness.reporting.tables import finite, fmt
 from harness.running.experiment import Run
@@ -78,19 +78,19 @@ def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
 
 
 def step_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
-    """At the highest rate: the share of each engine server's decode tokens made beside a prompt chunk, and what its
-    two kinds of step cost; TPOT follows these (a row beside a chunk waits for it)."""
+    """At the highest rate: the share of each engine server's decode rows that ran beside a prompt chunk, and what
+    its two kinds of step cost (a row beside a chunk waits for it)."""
     top = max(r["request_rate"] for r in rows)
-    at = {r["system"]: r for r in rows if r["request_rate"] == top and r.get("decode_tokens")}
-    parts = [f"`{s}` {100 * at[s]['beside_prompt_share']:.0f} % of its decode tokens beside a prompt chunk "
+    at = {r["system"]: r for r in rows if r["request_rate"] == top and r.get("decode_rows")}
+    parts = [f"`{s}` {100 * at[s]['beside_prompt_share']:.0f} % of its decode rows beside a prompt chunk "
              f"({fmt(at[s]['mixed_step_ms'])} ms per such step, {fmt(at[s]['mixed_rows_per_step'])} rows; "
              f"{fmt(at[s]['decode_step_ms'])} ms per decode-only step, {fmt(at[s]['decode_rows_per_step'])} rows)"
              for s in (focus, *versus) if s in at and at[s].get("beside_prompt_share") is not None]
     if not parts:
         return None
-    return (f"where the decode tokens were made at {top:g} req/s (harness client): " + "; ".join(parts)
-            + ". Under chunked prefill a decode row in a step with a prompt chunk waits for that chunk, so a server "
-            "that admits more requests at once (lower TTFT) puts more of its decode tokens there (higher TPOT).")
+    client = next(iter(at.values())).get("client", "harness client")
+    return (f"where the decode rows ran at {top:g} req/s ({client}; a row waits for the prompt chunk its step "
+            "runs beside): " + "; ".join(parts) + ".")
 
 
 def _tpot(row: dict) -> float | None:
@@ -100,8 +100,7 @@ def _tpot(row: dict) -> float | None:
 
 
 POOLED_MEANS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "cores_busy",
-                *STEP_KEYS)
+                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "request_throughput", "output_throughput", "cores_busy")
 
 
 LATENCY_KEYS = frozenset(k for k in POOLED_MEANS if k.endswith("_ms"))
@@ -111,7 +110,8 @@ def pooled(rows: list[dict]) -> list[dict]:
     """One row per system, client and rate. Over repeated rounds: each latency, throughput and cores figure is the
     mean of the rounds' (None when a round has none: a latency of 0 means nothing completed); `completed` the fewest
     any round finished and `duration` the longest (a rate is sustained only when every round kept up);
-    `round_tpots` keeps each round's per-request TPOTs apart, by round number."""
+    `round_tpots` keeps each round's per-request TPOTs apart, by round number; the step split is taken over the
+    rounds' summed tallies (none unless every round has one)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["system"], r.get("client", "harness client"), r["request_rate"]), []).append(r)
@@ -126,6 +126,9 @@ def pooled(rows: list[dict]) -> list[dict]:
             row["completed"] = min(x["completed"] for x in rs)
             row["duration"] = max((x.get("duration") or 0.0) for x in rs)
             row["request_tpots_ms"] = [t for x in rs for t in x.get("request_tpots_ms") or []]
+            tallies = [t for x in rs if (t := x.get("steps"))]
+            summed = {k: sum(t[k] for t in tallies) for k in tallies[0]} if len(tallies) == len(rs) else None
+            row.update(dict.fromkeys(STEP_KEYS), **step_split(summed))
         out.append(row)
     return out
 
@@ -197,18 +200,20 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                    "out tok/s", "mean TTFT", "median TTFT", "p99 TTFT", "mean TPOT", "median TPOT", "p99 TPOT",
                    "mean ITL", "p99 ITL", "mean E2EL", "peak concurrency", "cores busy", "busy threads", "CPUs"],
                   [[r.get(k, "harness client" if k == "client" else None) for k in keys] for r in per_round], 1)
-    split = [r for r in per_round if r.get("decode_tokens")]
+    split = [r for r in per_round if r.get("decode_rows") and r.get("client", "harness client") == "harness client"]
     if split:
-        summary.text("Where the engine servers' decode tokens were made (from the server's step tallies, read "
-                     "before and after each measurement): in decode-only steps, or beside a prompt chunk in a mixed "
-                     "step (chunked prefill: a step's token budget takes the running requests' decode rows, then a "
-                     "chunk of a waiting prompt). A row in a mixed step waits for its chunk. vLLM reports no such "
-                     "tally.")
-        summary.table(["system", "client", "rate req/s", *(["round"] if repeated else []), "decode tokens",
+        summary.text("Where the engine servers' decode rows ran, harness client (the server's step tallies, read "
+                     "before and after each measurement; `vllm bench serve` sends a test request of its own inside "
+                     "that window, so its rows are in rates.csv only): in decode-only steps, or beside a prompt chunk "
+                     "in a mixed step (chunked prefill: a step's token budget takes the running requests' decode "
+                     "rows, then a chunk of a waiting prompt). A decode row makes one token of a running request; "
+                     "a row in a mixed step waits for its chunk. Step times run from scheduling to the sampled "
+                     "tokens. vLLM reports no such tally.")
+        summary.table(["system", "rate req/s", *(["round"] if repeated else []), "decode rows",
                        "beside a prompt %", "mixed steps", "ms per mixed step", "rows per mixed step",
-                       "decode-only steps", "ms per decode-only step", "rows per decode-only step"],
-                      [[r["system"], r.get("client", "harness client"), r["request_rate"],
-                        *([r.get("round", 1)] if repeated else []), r["decode_tokens"],
+                       "decode-only steps", "ms per decode-only step", "rows per decode-only step",
+                       "prompt-only steps", "ms per prompt-only step"],
+                      [[r["system"], r["request_rate"], *([r.get("round", 1)] if repeated else []), r["decode_rows"],
                         100 * r["beside_prompt_share"] if r.get("beside_prompt_share") is not None else None,
                         *(r.get(k) for k in STEP_KEYS[2:])] for r in split], 1)
     agreement = client_agreement(rows)

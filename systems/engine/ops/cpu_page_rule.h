@@ -66,8 +66,9 @@ struct PageRule {
 };
 
 // The rule the arguments state for B decode rows over layers [first, last) (no rule when rule_layers is empty),
-// checked whole before the caller changes the cache: a bad rule fails with nothing appended. The arguments are
-// decode_layers' (cpu_decoder.cpp says what each holds).
+// checked over those layers before the call changes the cache: a bad rule fails with nothing of the call appended
+// (a step run one layer per call has appended its earlier layers). The arguments are decode_layers' (cpu_decoder.cpp
+// says what each holds).
 PageRule page_rule(const Storage& st, int64_t B, int64_t num_q_heads, int64_t first, int64_t last,
                    const c10::optional<at::Tensor>& chosen, at::IntArrayRef rule_layers,
                    const c10::optional<at::Tensor>& rule_heads, const c10::optional<at::Tensor>& rule_k,
