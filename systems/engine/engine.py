@@ -104,8 +104,12 @@ class Engine:
         self.decode_text: Callable[[list[int]], str] = lambda ids: ""
         self._order = 0
         self.minmax_peak_bytes = 0
-        self.steps = {"prefill": 0, "decode": 0}
         self.tally = StepTally()
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """Forwards run, by phase: steps with a prompt chunk (mixed or prompt-only) and decode-only steps."""
+        return {"prefill": self.tally.mixed_steps + self.tally.prompt_steps, "decode": self.tally.decode_steps}
 
     def add_request(self, request: GenerationRequest, arrival_time: float | None = None) -> Sequence:
         """Queue one request; a value that could fail a step is refused here, before it can share a batch."""
@@ -213,7 +217,6 @@ class Engine:
                     return finished
                 work.decodes, work.chunks = [], []
             else:
-                self.steps["prefill" if work.chunks else "decode"] += 1
                 tallied = (len(work.decodes), bool(work.chunks))
         for seq, _, end in work.chunks:
             seq.num_computed = end

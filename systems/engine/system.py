@@ -121,7 +121,6 @@ class EngineSystem:
         self.engine.minmax_peak_bytes = 0
         self.engine.scheduler.num_preemptions = 0
         self.engine.scheduler.prefixes.kept = 0
-        self.engine.steps = {"prefill": 0, "decode": 0}
         self.engine.tally = StepTally()
 
     def close(self) -> None:
