@@ -182,6 +182,26 @@ def test_policies_that_defer_and_those_that_do_not():
     assert not OwnRule().defers_eviction()
 
 
+def test_the_engine_asks_a_policy_which_hooks_it_overrides():
+    """What the engine skips for a policy is decided by the hooks its class (or a base below Policy) defines."""
+    def cls(name):
+        return type(load_policy(MODULE.get(name, name), POLICIES.get(name, {})))
+
+    dense, quest, flexicache, cake = cls("dense"), cls("quest"), cls("flexicache"), cls("cake")
+    assert not any(dense.overrides(h) for h in ("select_pages", "after_append", "after_prefill_layer",
+                                                "after_extend_layer", "decode_page_rule"))
+    assert quest.overrides("select_pages") and not quest.overrides("after_append")
+    assert flexicache.overrides("decode_page_rule") and flexicache.overrides("after_prefill_layer")
+    assert cake.overrides("after_append") and cake.overrides("after_prefill_layer")   # from its ScoreAndKeep base
+    assert not cake.overrides("select_pages")
+
+    class OwnRule(cake):
+        def select_pages(self, kv, step):
+            return None
+
+    assert OwnRule.overrides("select_pages") and OwnRule.overrides("after_append")
+
+
 def test_drop_with_a_layer_per_entry_equals_one_drop_per_layer():
     """Same storage, bounds, counts and free list (ids in order) as one call per layer, pages emptied included."""
     def cache():

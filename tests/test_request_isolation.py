@@ -100,6 +100,9 @@ def test_a_poisoned_request_fails_alone(tiny_llama_dir, policy, failure):
     assert not engine.scheduler.suspects
     if failure == "forward":          # the shared step failed: all its sequences were re-run alone
         assert engine.scheduler.num_preemptions >= len(reqs) + 1
+    # the step tally counts the raised forwards apart (the shared one, then the poison's own), and no other
+    assert engine.tally.failed_steps >= 2 and engine.tally.failed_s > 0 if failure == "forward" \
+        else engine.tally.failed_steps == 0
 
 
 def test_generate_finishes_the_others_then_names_the_failed_request(tiny_llama_dir):

@@ -41,7 +41,8 @@ class StepTally:
     steps, mixed steps (decode rows beside a prompt chunk) and prompt-only steps; their count, decode rows and wall
     seconds from scheduling to the sampled tokens. A decode row makes one token of a running sequence (a sequence's
     first token, and its next one after a preemption, come from its prompt's last chunk instead). Under chunked
-    prefill a decode row in a mixed step waits for the chunk."""
+    prefill a decode row in a mixed step waits for the chunk. A forward that raised is counted apart, with no rows:
+    its rows fail, or run again alone (Scheduler.isolate) and are counted then."""
 
     decode_steps: int = 0
     decode_rows: int = 0
@@ -51,6 +52,8 @@ class StepTally:
     mixed_s: float = 0.0
     prompt_steps: int = 0
     prompt_s: float = 0.0
+    failed_steps: int = 0
+    failed_s: float = 0.0
 
     def add(self, rows: int, with_chunk: bool, seconds: float) -> None:
         if not with_chunk:
@@ -64,6 +67,10 @@ class StepTally:
         else:
             self.prompt_steps += 1
             self.prompt_s += seconds
+
+    def add_failed(self, seconds: float) -> None:
+        self.failed_steps += 1
+        self.failed_s += seconds
 
 
 class Engine:
@@ -207,6 +214,7 @@ class Engine:
             try:
                 logits = self.runner.run_step(work.decodes, work.chunks)
             except Exception as exc:  # noqa: BLE001 - whose row broke the forward is found by running each alone
+                self.tally.add_failed(time.perf_counter() - now)
                 in_step = work.decodes + [s for s, _, _ in work.chunks]
                 if len(in_step) == 1:
                     self.fail(in_step[0], exc)

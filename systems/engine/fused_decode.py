@@ -79,21 +79,20 @@ class FusedDecode:
     @property
     def deferred(self) -> bool:
         """Whether the policy's decode-time eviction runs once after the whole stack (after_decode_step)."""
-        return self.defer and self.policy.defers_eviction() and type(self.policy).select_pages is Policy.select_pages
+        return self.defer and self.policy.defers_eviction() and not self.policy.overrides("select_pages")
 
     @property
     def page_rule(self) -> bool:
         """Whether the policy's page choice runs inside the fused call, as the rule decode_page_rule states."""
-        return self.rules and type(self.policy).decode_page_rule is not Policy.decode_page_rule
+        return self.rules and self.policy.overrides("decode_page_rule")
 
     @property
     def per_layer(self) -> bool:
         """Whether a step runs layer by layer, with the policy's hooks between the calls (policies that keep
         Policy's no-op decode hooks, state a page rule, or evict once per step, run the whole stack in one call)."""
-        policy = type(self.policy)
-        chooses = policy.select_pages is not Policy.select_pages and not self.page_rule
+        chooses = self.policy.overrides("select_pages") and not self.page_rule
         # a rule's step runs no after_append: pages_chosen does that work after the step (Policy.decode_page_rule)
-        evicts = policy.after_append is not Policy.after_append and not self.deferred and not self.page_rule
+        evicts = self.policy.overrides("after_append") and not self.deferred and not self.page_rule
         return chooses or evicts
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, infos: list[SeqInfo],

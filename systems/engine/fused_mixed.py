@@ -45,12 +45,12 @@ def unsupported(model: LlamaModel, kv: TieredKVCache, decode: FusedDecode) -> st
 class FusedMixed:
     """Mixed and prefill steps of one engine's model over its paged cache, under the fused decode step's policy."""
 
-    def __init__(self, model: LlamaModel, kv: TieredKVCache, decode: FusedDecode):
+    def __init__(self, model: LlamaModel, kv: TieredKVCache, decode: FusedDecode, prompt_hook: bool):
         self.model, self.kv, self.decode = model, kv, decode
         self.rope_table = next(iter(model.rope_tables))
         self.steps = 0                  # steps run fused (tests and benchmarks check the path was taken)
         self.last_selected: torch.Tensor | None = None      # the decode rows' sets at the last layer (None: all)
-        self._prompt_hook = self.policy.hooks_prefill()      # set_policy keeps the class, so this holds
+        self._prompt_hook = prompt_hook      # the runner's Policy.hooks_prefill()
         # the operand list depends on a step's rows only through the widened GEMM's threshold: built once per side
         self._operands: dict[bool, tuple[int, list[torch.Tensor]] | None] = {}
 

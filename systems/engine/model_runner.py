@@ -40,7 +40,7 @@ class ModelRunner:
         self.decode_tile = DECODE_TILE if batch_invariant else None
         # policies without a prompt hook need no prompt queries kept across chunks (set_policy keeps the class)
         self._prompt_hook = policy.hooks_prefill()
-        self._extend_hook = type(policy).after_extend_layer is not Policy.after_extend_layer
+        self._extend_hook = policy.overrides("after_extend_layer")
         self.fused_unsupported = "turned off" if not fused else "no model" if model is None else \
             fused_decode.unsupported(model, kv)
         self.fused = fused_decode.FusedDecode(model, kv, policy) if model is not None and \
@@ -51,7 +51,7 @@ class ModelRunner:
         if self.fused is not None and self.mixed_unsupported is None:
             self.mixed_unsupported = fused_mixed.unsupported(self.fused.model, kv, self.fused)
             if self.mixed_unsupported is None:
-                self.mixed = fused_mixed.FusedMixed(self.fused.model, kv, self.fused)
+                self.mixed = fused_mixed.FusedMixed(self.fused.model, kv, self.fused, self._prompt_hook)
         self.probe: PositionProbe | None = None     # set by the engine once a request asks for positions
 
     def _model(self) -> LlamaModel:

@@ -70,7 +70,7 @@ class Scheduler:
         self.blocks_per_page_row = kv.num_layers * kv.num_kv_heads  # one new page in every (layer, head)
         # a policy with decode-time hooks may write pages it holds (an eviction's hole, a promotion's recycled
         # block): over shared pages each such write takes a fresh block
-        self._decode_writes = type(policy).after_append is not Policy.after_append
+        self._decode_writes = policy.overrides("after_append")
         self.num_preemptions = 0
         self.suspects: deque[Sequence] = deque()      # sequences of a failed step, to run alone (see isolate)
 

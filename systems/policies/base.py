@@ -290,11 +290,17 @@ class Policy:
         appending = next(c for c in mro if "after_append" in vars(c))
         return deferring is not Policy and mro.index(appending) >= mro.index(deferring)
 
+    @classmethod
+    def overrides(cls, hook: str) -> bool:
+        """Whether the policy defines its own `hook` (a method Policy gives a no-op or neutral default): the engine
+        skips the work a default would make pointless. The engine asks once, at its start, so the answer depends on
+        the class alone (Engine.set_policy keeps the class)."""
+        return next(c for c in cls.__mro__ if hook in vars(c)) is not Policy
+
     def hooks_prefill(self) -> bool:
         """Whether the policy acts on a finished prompt (overrides after_prefill_layer): the engine then keeps each
-        layer's prompt queries until the prompt's last chunk, and runs that chunk's step layer by layer. The engine
-        asks once, at its start, so the answer must depend on the class alone (Engine.set_policy keeps the class)."""
-        return type(self).after_prefill_layer is not Policy.after_prefill_layer
+        layer's prompt queries until the prompt's last chunk, and runs that chunk's step layer by layer."""
+        return self.overrides("after_prefill_layer")
 
     def kv_stats(self, kv: KVView, seq: SeqInfo) -> dict[str, Any]:
         """Realized KV of the finished sequence: tokens kept per layer and KV head, resident device pages."""

@@ -127,7 +127,8 @@ def pooled(rows: list[dict]) -> list[dict]:
             row["duration"] = max((x.get("duration") or 0.0) for x in rs)
             row["request_tpots_ms"] = [t for x in rs for t in x.get("request_tpots_ms") or []]
             tallies = [t for x in rs if (t := x.get("steps"))]
-            summed = {k: sum(t[k] for t in tallies) for k in tallies[0]} if len(tallies) == len(rs) else None
+            # a round stored before a key was added to the tally counts 0 there
+            summed = {k: sum(t.get(k, 0) for t in tallies) for k in tallies[0]} if len(tallies) == len(rs) else None
             row.update(dict.fromkeys(STEP_KEYS), **step_split(summed))
         out.append(row)
     return out
