@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -158,6 +160,15 @@ def test_versus_lines_name_each_ratio_and_compare_the_reference_with_the_rest():
     # a system missing from a client's rows drops only the ratios it is part of
     assert bench.endswith("(TPOT ratios: `flexi` ÷ `dense` 1.50×)")
     # a cell where no request completed (NaN or 0 TPOT) takes part in no ratio
+    # with the requests' TPOTs kept, each ratio carries its interval (each server's requests resampled alone)
+    rng = np.random.default_rng(1)
+    kept = [{**row("dense", 0.0), "request_tpots_ms": list(40 + 8 * rng.standard_normal(48))},
+            {**row("vllm", 0.0), "request_tpots_ms": list(80 + 8 * rng.standard_normal(48))}]
+    for r in kept:
+        r["mean_tpot_ms"] = r["mean_itl_ms"] = float(np.mean(r["request_tpots_ms"]))
+    line, = versus_lines(kept, "dense", ["vllm"])
+    value, low, high = (float(x) for x in re.search(r"÷ `vllm` ([\d.]+)× \[([\d.]+), ([\d.]+)\]", line).groups())
+    assert low < value < high and 0.4 < low and high < 0.6
     failed = versus_lines([row("flexi", 60.0), row("dense", float("nan")), row("vllm", 0.0)], "flexi",
                           ["dense", "vllm"])
     assert failed == ["harness client, 0.2 req/s: mean TPOT / ITL `flexi` 60.0 / 60.0 ms on 1.50 cores; "

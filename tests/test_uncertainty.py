@@ -65,6 +65,19 @@ def _cells(*pairs, family="needlebench"):
             for i, (_, task) in enumerate(pairs)]
 
 
+def test_unpaired_ratio_resamples_each_sample_on_its_own():
+    rng = np.random.default_rng(3)
+    a, b = 50 + 5 * rng.standard_normal(40), 100 + 5 * rng.standard_normal(30)
+    est = unc.unpaired_ratio(a, b)
+    assert est.value == pytest.approx(a.mean() / b.mean()) and est.n == 30
+    ref = stats.bootstrap((a, b), lambda p, q, axis: p.mean(axis) / q.mean(axis), paired=False, vectorized=True,
+                          n_resamples=unc.N_RESAMPLES, method="percentile", random_state=np.random.default_rng(0))
+    assert (est.low, est.high) == pytest.approx((ref.confidence_interval.low, ref.confidence_interval.high))
+    assert est.low < est.value < est.high and 0.45 < est.low and est.high < 0.55       # about 0.5 by construction
+    assert math.isnan(unc.unpaired_ratio(a, [0.0, 0.0]).value)                # no division by a zero mean
+    assert math.isnan(unc.unpaired_ratio([1.0], [2.0]).low)                   # one request: no interval
+
+
 def test_accuracy_data_units_retention_ranking_and_flags():
     rng = np.random.default_rng(5)
     n = 80

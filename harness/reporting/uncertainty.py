@@ -7,6 +7,7 @@
 - A difference between two systems is the mean of per-sample differences, paired the same way.
 - Aggregates over several task units (the macro mean of per-unit retentions, FlexiCache's average) resample
   samples within each unit (a stratified bootstrap), so every unit keeps its own n.
+- A ratio of two independent samples' means (two servers' request latencies) resamples each sample on its own.
 - A difference between two measurements repeated in a few blocks (rounds run back to back) is the mean of the
   blocks' differences with a Student t interval: too few blocks for a bootstrap.
 
@@ -130,6 +131,17 @@ def unpaired_difference(a: Sequence[float], b: Sequence[float]) -> Estimate:
     low, high = (_scipy_interval((x, y), lambda p, q, axis: np.mean(p, axis=axis) - np.mean(q, axis=axis),
                                  paired=False) if min(x.size, y.size) >= 2 else (math.nan, math.nan))
     return Estimate(float(x.mean() - y.mean()), low, high, int(min(x.size, y.size)))
+
+
+def unpaired_ratio(a: Sequence[float], b: Sequence[float]) -> Estimate:
+    """mean(a) ÷ mean(b) over two independent samples (e.g. two servers' request latencies), each resampled on its
+    own; n is the smaller sample."""
+    x, y = _array(a), _array(b)
+    if x.size == 0 or y.size == 0 or not y.mean() > 0:
+        return NAN
+    low, high = (_scipy_interval((x, y), lambda p, q, axis: np.mean(p, axis=axis) / np.mean(q, axis=axis),
+                                 paired=False) if min(x.size, y.size) >= 2 else (math.nan, math.nan))
+    return Estimate(float(x.mean() / y.mean()), low, high, int(min(x.size, y.size)))
 
 
 def blocked_difference(a: Sequence[float], b: Sequence[float]) -> Estimate:

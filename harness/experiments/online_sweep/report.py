@@ -50,7 +50,8 @@ def focus_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
     if focus not in tpot:
         return None
     # focus ÷ versus, as the per-rate lines state it: above 1× the focus system is slower
-    parts = [f"{tpot[focus] / tpot[v]:.2f}× `{v}`'s ({tpot[v]:.0f} ms)" for v in versus if v in tpot]
+    at = {r["system"]: r for r in rows if r["request_rate"] == rate}
+    parts = [f"{ratio_text(at[focus], at[v])} `{v}`'s ({tpot[v]:.0f} ms)" for v in versus if v in tpot]
     return (f"{where}, `{focus}`'s mean TPOT ({tpot[focus]:.0f} ms) is " + " and ".join(parts)
             + " (above 1×: slower).")
 
@@ -69,12 +70,26 @@ def versus_lines(rows: list[dict], focus: str, versus: list[str]) -> list[str]:
                      f"{fmt(at[(v, rate)].get('cores_busy'), 2)} cores" for v in versus if (v, rate) in at]
             pairs = [(focus, v) for v in versus] + [(versus[0], v) for v in versus[1:]]
             tpot = {a: t for a in (focus, *versus) if (a, rate) in at and (t := _tpot(at[(a, rate)])) is not None}
-            ratios = [f"`{a}` ÷ `{b}` {tpot[a] / tpot[b]:.2f}×" for a, b in pairs if a in tpot and b in tpot]
+            ratios = [f"`{a}` ÷ `{b}` {ratio_text(at[(a, rate)], at[(b, rate)])}" for a, b in pairs
+                      if a in tpot and b in tpot]
             if parts:
                 out.append(f"{client}, {rate:g} req/s: mean TPOT / ITL `{focus}` {fmt(f['mean_tpot_ms'])} / "
                            f"{fmt(f['mean_itl_ms'])} ms on {fmt(f.get('cores_busy'), 2)} cores; " + "; ".join(parts)
                            + (f" (TPOT ratios: {', '.join(ratios)})" if ratios else ""))
     return out
+
+
+def ratio_text(a: dict, b: dict) -> str:
+    """Row a's mean TPOT ÷ row b's, `1.05×`, with the 95 % bootstrap interval of the ratio of their mean request
+    TPOTs (each row's requests resampled on their own, rounds pooled) where both rows kept their requests'."""
+    value = f"{a['mean_tpot_ms'] / b['mean_tpot_ms']:.2f}×"
+    est = uncertainty.unpaired_ratio(a.get("request_tpots_ms") or [], b.get("request_tpots_ms") or [])
+    return value + (f" [{est.low:.2f}, {est.high:.2f}]" if finite(est.low) and finite(est.high) else "")
+
+
+RATIO_NOTE = ("A TPOT ratio's interval is the 95 % bootstrap interval of the ratio of the two servers' mean request "
+              "TPOTs, each server's requests resampled on their own (its rounds pooled). The servers ran one after "
+              "the other, so a drift of the shared host between their runs is not in it.")
 
 
 def step_line(rows: list[dict], focus: str, versus: list[str]) -> str | None:
@@ -191,7 +206,8 @@ def write_summary(run: Run[Params], rows: list[dict], envs: list[dict]) -> dict[
                      dict.fromkeys(r.get("client", "harness client") for r in rows)) + "."
                  + (f" Each rate ran {p.repeats} rounds, every client in turn within a round; the lines above and "
                     "the figures give the mean over rounds (a rate's `done` there is the fewest any round "
-                    "completed), the table each round." if repeated else ""))
+                    "completed), the table each round." if repeated else "")
+                 + (" " + RATIO_NOTE if p.focus and p.versus else ""))
     keys = ["system", "client", "request_rate", *(["round"] if repeated else []), "completed", "failed",
             "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
