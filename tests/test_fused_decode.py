@@ -13,6 +13,7 @@ import torch
 from systems.base import GenerationRequest
 from systems.engine.engine import Engine
 from systems.engine.ops import cpu_kernels
+from systems.hardware import cpu_flags
 from systems.policies import load_policy
 from tests.test_engine_invariants import MODULE, POLICIES
 
@@ -67,6 +68,56 @@ def test_skinny_product_is_one_fma_chain_per_output():
             for k in range(33):     # an fp32 fma, emulated in float64 (which holds the product exactly)
                 acc = np.float32(np.float64(x[m, k].item()) * np.float64(w[n, k].item()) + np.float64(acc))
             assert y[m, n].item() == np.float32(acc + np.float32(b[n].item()))
+
+
+def _skinny(x, w, b, n):
+    return torch.ops.kvharness_cpu.skinny_linear(x, torch.ops.kvharness_cpu.skinny_pack(w), b, n)
+
+
+@pytest.mark.parametrize("K", [2, 64, 576, 1536])
+def test_bf16_pairs_are_the_fma_chain_bit_for_bit(K):
+    """On CPUs with AVX512-BF16 a bf16 weight is packed in pairs of k for vdpbf16ps, which must compute exactly the
+    fp32 FMA chain: the fp32 product of the same (bf16) values, rounded once to bf16, for any row count; bf16 rows
+    and fp32 rows holding bf16 values alike. Elsewhere the bf16 weight keeps the FMA chain, and this holds too."""
+    g = torch.Generator().manual_seed(K)
+    N = 203
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+    x = torch.randn(37, K, generator=g).bfloat16()
+    x[3, : K // 2] = 0                                             # zeros are fine factors
+    packed = torch.ops.kvharness_cpu.skinny_pack(w)
+    P = torch.ops.kvharness_cpu.skinny_pack(torch.zeros(1, 2)).shape[-1]
+    pairs = "avx512_bf16" in cpu_flags()
+    assert packed.shape == ((N + P - 1) // P, K // 2, 2 * P) if pairs else ((N + P - 1) // P, K, P)
+    chain = _skinny(x.float(), w.float(), b.float(), N).bfloat16()     # the fp32 path: the same chain, then rounded
+    for rows in (1, 4, 6, 7, 16, 37):
+        assert torch.equal(_skinny(x[:rows], w, b, N), chain[:rows])
+        assert torch.equal(_skinny(x[:rows].float(), w, b, N), chain[:rows])
+    assert torch.equal(_skinny(x, w, None, N), _skinny(x.float(), w.float(), None, N).bfloat16())
+
+
+def test_bf16_pairs_fall_back_to_the_fma_chain_where_a_subnormal_could_appear():
+    """A factor below 2^-56 could make a product or a partial sum subnormal, which vdpbf16ps flushes to zero: rows
+    holding one run the FMA chain over the same pairs, a weight holding one is packed for the FMA chain, and fp32
+    rows that are not bf16 values run the FMA chain of their fp32 values; each is still the chain, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    N, K = 70, 64
+    w = (torch.randn(N, K, generator=g) * 0.05).bfloat16()
+    x = torch.randn(5, K, generator=g).bfloat16()
+    x[1, 7], x[2, 0] = 2.0 ** -60, -(2.0 ** -130)                 # tiny, and subnormal
+    x[2, 1] = 2.0 ** -70                                           # their product with x[2, 0]'s weight: subnormal
+    chain = _skinny(x.float(), w.float(), None, N).bfloat16()
+    assert torch.equal(_skinny(x, w, None, N), chain)
+    assert torch.equal(_skinny(x[1:3], w, None, N), chain[1:3])
+    tiny_w = w.clone()
+    tiny_w[5, 9] = 2.0 ** -100
+    assert torch.ops.kvharness_cpu.skinny_pack(tiny_w).shape[1] == K            # not pairs
+    assert torch.equal(_skinny(x, tiny_w, None, N), _skinny(x.float(), tiny_w.float(), None, N).bfloat16())
+    odd = w[:, :63].contiguous()                                                  # an odd K keeps the FMA chain
+    assert torch.ops.kvharness_cpu.skinny_pack(odd).shape[1] == 63
+    assert torch.equal(_skinny(x[:, :63], odd, None, N), _skinny(x[:, :63].float(), odd.float(), None, N).bfloat16())
+    wide = torch.randn(3, K, generator=g)                                        # fp32 rows, not bf16 values
+    assert torch.equal(_skinny(wide, w, None, N), _skinny(wide, w.float(), None, N).bfloat16())
 
 
 @pytest.fixture(scope="module")

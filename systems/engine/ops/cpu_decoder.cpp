@@ -17,6 +17,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "cpu_gemm.h"
@@ -33,13 +34,22 @@ namespace {
 
 using namespace kvh;
 
-// y [B, N] = x [B, K] . w^T (+ bias) in the model dtype, w packed by skinny_pack ([panels, K, panel]).
+// y [B, N] = x [B, K] . w^T (+ bias) in the model dtype, w packed by skinny_pack ([panels, K, panel], or bf16 pairs
+// [panels, K / 2, 2 x panel]).
 template <typename T>
 void product(const T* x, int64_t B, const at::Tensor& w, const at::Tensor& bias, int64_t N, T* y,
              std::vector<float>& wide) {
-  const int64_t K = w.size(1);
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == gemm_panel() && N <= w.size(0) * w.size(2),
+  const int64_t P = gemm_panel();
+  TORCH_CHECK(w.dim() == 3 && (w.size(2) == P || w.size(2) == 2 * P) && N <= w.size(0) * P,
               "fused decode: weights must be packed by skinny_pack");
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (w.size(2) == 2 * P) {
+      gemm_rows_pairs(x, B, 2 * w.size(1), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, N, y);
+      return;
+    }
+  }
+  TORCH_CHECK(w.size(2) == P, "fused decode: a bf16-pair weight for an fp32 model");
+  const int64_t K = w.size(1);
   wide.resize(static_cast<size_t>(B * K));
   for (int64_t i = 0; i < B * K; ++i) wide[i] = to_float(x[i]);
   gemm_rows(wide.data(), B, K, ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, N, y);

@@ -23,78 +23,10 @@
 // otherwise be free to fuse in one tile shape and not in another, and a row's bits would depend on its tile.
 #pragma GCC optimize("fp-contract=off")
 
+#include "cpu_gemm_core.h"
+
 namespace kvh {
 namespace {
-
-#if defined(__AVX512F__)
-constexpr int kGemmLanes = 16;
-constexpr int kMaxAcc = 24;    // accumulators a tile may hold, of 32 registers (the rest: weights, broadcasts)
-#else
-constexpr int kGemmLanes = 8;
-constexpr int kMaxAcc = 12;    // of 16 registers
-#endif
-constexpr int kMaxRows = 6;                        // rows of x a tile applies each loaded weight vector to
-constexpr int kVectors = 4;                        // weight vectors per panel row
-constexpr int kPanel = kVectors * kGemmLanes;      // outputs per panel
-constexpr int64_t kPanelsPerTask = 1;              // o and down have 18 panels: 9 + 9 on two threads
-
-typedef float gemm_vf __attribute__((vector_size(kGemmLanes * sizeof(float))));
-typedef uint32_t gemm_vu32 __attribute__((vector_size(kGemmLanes * sizeof(uint32_t))));
-
-inline gemm_vf gemm_load(const float* p) {
-  gemm_vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// Weight vectors v and v + 1 of a panel row. bf16 panels store each pair of vectors interleaved (gemm_pack): one
-// load of 2 x lanes values, the even ones (low halves) widened by a shift and the odd ones (high halves) by a mask,
-// where a per-vector zero-extend costs two loads and twice the shuffles.
-inline void gemm_load_pair(const float* row, gemm_vf* a, gemm_vf* b) {
-  *a = gemm_load(row);
-  *b = gemm_load(row + kGemmLanes);
-}
-inline void gemm_load_pair(const uint16_t* row, gemm_vf* a, gemm_vf* b) {
-  gemm_vu32 bits;
-  std::memcpy(&bits, row, sizeof(bits));
-  *a = reinterpret_cast<gemm_vf>(bits << 16);
-  *b = reinterpret_cast<gemm_vf>(bits & 0xFFFF0000u);
-}
-
-inline gemm_vf gemm_fma(gemm_vf a, gemm_vf b, gemm_vf c) {  // a * b + c, rounded once
-#if defined(__AVX512F__)
-  return reinterpret_cast<gemm_vf>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
-                                                   reinterpret_cast<__m512>(c)));
-#elif defined(__FMA__)
-  return reinterpret_cast<gemm_vf>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
-                                                   reinterpret_cast<__m256>(c)));
-#else
-  gemm_vf r;
-  for (int l = 0; l < kGemmLanes; ++l) r[l] = std::fma(a[l], b[l], c[l]);
-  return r;
-#endif
-}
-
-// x in every lane. Written as a loop of lane stores, GCC emitted one masked broadcast per lane (16 per row and k on
-// AVX-512), which capped the product at a fifth of the FMA units' rate.
-inline gemm_vf gemm_broadcast(float x) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<gemm_vf>(_mm512_set1_ps(x));
-#elif defined(__AVX__)
-  return reinterpret_cast<gemm_vf>(_mm256_set1_ps(x));
-#else
-  gemm_vf r;
-  for (int l = 0; l < kGemmLanes; ++l) r[l] = x;
-  return r;
-#endif
-}
-
-inline void gemm_store(float* p, float x) { *p = x; }
-inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite values)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  *p = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 // Output j of a panel row is the dot product x[m, :] . w[n0 + j, :] as ONE fused multiply-add chain over k = 0, 1,
 // ..., K - 1, starting from zero, then + bias, rounded once to the output dtype. That order is fixed by K alone, so
@@ -103,10 +35,6 @@ inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite
 // stream, a cache line per k), broadcasts x[m, k] and applies each weight vector to all MR rows, so a panel comes
 // from memory once per step and the rows of further tiles find it in L2. Vectors [V0, V0 + NV) of the panel: a
 // tile of many rows takes the panel in two halves, to keep its MR x NV accumulators in registers.
-// Every cache line of a panel row is prefetched this far ahead: the hardware prefetcher alone, or one line per
-// 128-byte bf16 row, streamed a 3072-row gate/up product at 23 GB/s on a 33 GB/s machine (both lines, 2 KiB: 31).
-constexpr int kPrefetchBytes = 2048;
-
 template <typename TW, typename TO, int MR, int V0, int NV>
 inline void panel_tile(const float* x, int64_t K, const TW* panel, const float* bias, TO* y, int64_t ldy, int cols) {
   static_assert(NV % 2 == 0 && V0 % 2 == 0 && V0 + NV <= kVectors, "vectors come in stored pairs");
@@ -145,7 +73,7 @@ inline void rows_tile(const float* x, int64_t K, const TW* panel, const float* b
   }
 }
 
-// Every row of x against panels [p0, p1): tiles of kMaxRows rows, the tail in one smaller tile.
+// Every row of x against panels [p0, p1).
 template <typename TW, typename TO>
 void panel_range(const float* x, int64_t M, int64_t K, const TW* packed, const float* bias, int64_t N, TO* y,
                  int64_t p0, int64_t p1) {
@@ -154,18 +82,9 @@ void panel_range(const float* x, int64_t M, int64_t K, const TW* packed, const f
     const int64_t n0 = p * kPanel;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
     const float* b = bias ? bias + n0 : nullptr;
-    for (int64_t m = 0; m < M; m += kMaxRows) {
-      const float* xm = x + m * K;
-      TO* ym = y + m * N + n0;
-      switch (std::min<int64_t>(kMaxRows, M - m)) {
-        case 1: rows_tile<TW, TO, 1>(xm, K, panel, b, ym, N, cols); break;
-        case 2: rows_tile<TW, TO, 2>(xm, K, panel, b, ym, N, cols); break;
-        case 3: rows_tile<TW, TO, 3>(xm, K, panel, b, ym, N, cols); break;
-        case 4: rows_tile<TW, TO, 4>(xm, K, panel, b, ym, N, cols); break;
-        case 5: rows_tile<TW, TO, 5>(xm, K, panel, b, ym, N, cols); break;
-        default: rows_tile<TW, TO, kMaxRows>(xm, K, panel, b, ym, N, cols); break;
-      }
-    }
+    row_tiles(M, [&](auto mr, int64_t m) {
+      rows_tile<TW, TO, decltype(mr)::value>(x + m * K, K, panel, b, y + m * N + n0, N, cols);
+    });
   }
 }
 
@@ -200,7 +119,6 @@ void pack_impl(const T* w, int64_t N, int64_t K, T* packed) {
         packed[(p * K + k) * kPanel + stored_at(j, sizeof(T) == 2)] = n < N ? w[n * K + k] : T{};
       }
 }
-
 }  // namespace
 
 void gemm_rows(const float* x, int64_t M, int64_t K, const uint16_t* packed, const uint16_t* bias, int64_t N,
@@ -221,12 +139,18 @@ namespace {
 template <typename T>
 T* raw(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
-// w [N, K] in the panel layout [ceil(N / panel), K, panel] (zero-padded) that skinny_linear reads.
+// w [N, K] in the panel layout [ceil(N / panel), K, panel] (zero-padded) that skinny_linear reads, or in bf16 pairs
+// [ceil(N / panel), K / 2, 2 x panel] where they fit (kvh::gemm_pairs_fit).
 at::Tensor skinny_pack(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kFloat),
               "skinny_pack: w [N, K] bf16 or fp32");
   const at::Tensor wc = w.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = kvh::gemm_panel();
+  if (w.scalar_type() == at::kBFloat16 && kvh::gemm_pairs_fit(raw<uint16_t>(wc), N, K)) {
+    at::Tensor packed = at::empty({(N + P - 1) / P, K / 2, 2 * P}, w.options());
+    kvh::gemm_pack_pairs(raw<uint16_t>(wc), N, K, raw<uint16_t>(packed));
+    return packed;
+  }
   at::Tensor packed = at::empty({(N + P - 1) / P, K, P}, w.options());
   if (w.scalar_type() == at::kBFloat16) kvh::gemm_pack(raw<uint16_t>(wc), N, K, raw<uint16_t>(packed));
   else kvh::gemm_pack(raw<float>(wc), N, K, raw<float>(packed));
@@ -236,20 +160,31 @@ at::Tensor skinny_pack(const at::Tensor& w) {
 // y [M, n] = x . w^T (+ bias) in w's dtype, w packed by skinny_pack; every row computed alone (see cpu_gemm.h).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kvh::gemm_panel() && packed.is_contiguous() &&
+  const int64_t P = kvh::gemm_panel();
+  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * P && packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == P || pairs) && packed.is_contiguous() &&
               (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kFloat),
               "skinny_linear: w packed by skinny_pack on this machine");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1), "skinny_linear: x [M, K] with the packed weight's K");
-  TORCH_CHECK(n > (packed.size(0) - 1) * packed.size(2) && n <= packed.size(0) * packed.size(2),
-              "skinny_linear: n does not match the packed weight");
+  const int64_t K = pairs ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "skinny_linear: x [M, K] with the packed weight's K");
+  TORCH_CHECK(n > (packed.size(0) - 1) * P && n <= packed.size(0) * P, "skinny_linear: n does not match the packed "
+              "weight");
   at::Tensor b;
   if (bias.has_value()) {
     b = bias->contiguous();
     TORCH_CHECK(b.scalar_type() == packed.scalar_type() && b.numel() == n, "skinny_linear: bias [n] like w");
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), n}, packed.options());
-  if (packed.scalar_type() == at::kBFloat16)
+  const uint16_t* bias_bits = b.defined() && pairs ? raw<uint16_t>(b) : nullptr;
+  if (pairs && x.scalar_type() == at::kBFloat16) {
+    const at::Tensor xc = x.contiguous();
+    kvh::gemm_rows_pairs(raw<uint16_t>(xc), x.size(0), K, raw<uint16_t>(packed), bias_bits, n, raw<uint16_t>(y));
+    return y;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (pairs)
+    kvh::gemm_rows_pairs(xf.data_ptr<float>(), x.size(0), K, raw<uint16_t>(packed), bias_bits, n, raw<uint16_t>(y));
+  else if (packed.scalar_type() == at::kBFloat16)
     kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), x.size(1), raw<uint16_t>(packed),
                    b.defined() ? raw<uint16_t>(b) : nullptr, n, raw<uint16_t>(y));
   else

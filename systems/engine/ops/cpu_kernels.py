@@ -14,10 +14,9 @@ import torch
 
 from systems.engine.ops import torch_attention, torch_kv, torch_scoring
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp",
-                                                       "cpu_model.cpp", "cpu_gemm.cpp", "cpu_decoder.cpp",
-                                                       "cpu_token_probs.cpp", "cpu_kv.cpp", "cpu_mixed.cpp",
-                                                       "cpu_prefill_tiles.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in (
+    "cpu_attention.cpp", "cpu_prefill.cpp", "cpu_scoring.cpp", "cpu_model.cpp", "cpu_gemm.cpp", "cpu_gemm_pairs.cpp",
+    "cpu_decoder.cpp", "cpu_token_probs.cpp", "cpu_kv.cpp", "cpu_mixed.cpp", "cpu_prefill_tiles.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)          # compiled instantiations (cpu_attention.cpp)
