@@ -120,6 +120,46 @@ def test_bf16_pairs_fall_back_to_the_fma_chain_where_a_subnormal_could_appear():
     assert torch.equal(_skinny(wide, w, None, N), _skinny(wide, w.float(), None, N).bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_skinny_product_on_two_threads_is_the_one_thread_product(dtype):
+    """Decode runs its products on every core: with 48 panels the second thread surely takes some, and its rows must
+    read the caller's activations and bias (a buffer kept per thread is the caller's, never the worker's own)."""
+    g = torch.Generator().manual_seed(17)
+    w = (torch.randn(3072, 576, generator=g) * 0.05).to(dtype)
+    b = torch.randn(3072, generator=g).to(dtype)
+    packed = torch.ops.kvharness_cpu.skinny_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 32):
+            x = torch.randn(rows, 576, generator=g).to(dtype)
+            torch.set_num_threads(1)
+            alone = torch.ops.kvharness_cpu.skinny_linear(x, packed, b, 3072)
+            torch.set_num_threads(2)
+            assert torch.equal(torch.ops.kvharness_cpu.skinny_linear(x, packed, b, 3072), alone)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_skinny_product_rejects_what_the_packing_did_not_make():
+    """One entry reads the packed layout for every caller, and refuses, by name, an unpacked weight, an n its panels
+    cannot hold, a bias of another length or dtype and rows of another K."""
+    w = torch.randn(70, 64).bfloat16()
+    packed = torch.ops.kvharness_cpu.skinny_pack(w)
+    x = torch.randn(2, 64).bfloat16()
+    op = torch.ops.kvharness_cpu.skinny_linear
+    with pytest.raises(RuntimeError, match="packed by skinny_pack"):
+        op(x, w, None, 70)                                          # 2-D: never packed
+    with pytest.raises(RuntimeError, match="n does not match"):
+        op(x, packed, None, 300)
+    with pytest.raises(RuntimeError, match=r"bias \[n\]"):
+        op(x, packed, torch.zeros(69).bfloat16(), 70)
+    with pytest.raises(RuntimeError, match=r"bias \[n\]"):
+        op(x, packed, torch.zeros(70), 70)
+    with pytest.raises(RuntimeError, match="packed weight's K"):
+        op(x[:, :32], packed, None, 70)
+    assert torch.equal(op(x, packed, None, 70), op(x.float(), packed, None, 70))    # same chain from bf16 or fp32
+
+
 @pytest.fixture(scope="module")
 def tiny_window_dir(tmp_path_factory, tokenizer_dir):
     """A tiny Mistral with a 24-token sliding window (shorter than the prompts)."""

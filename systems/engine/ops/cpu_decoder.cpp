@@ -6,7 +6,7 @@
 // attention over all or the selected pages, the output product, add + RMSNorm, the gate/up product, the SiLU gate
 // and the down product, each a kernel called straight from C++ on raw pointers. The elementwise kernels and the
 // attention are the same code as the per-op path (cpu_rows.h, cpu_attention.h), so they round where it rounds; the
-// products use the skinny GEMM (cpu_gemm.h), whose rows never depend on their batch.
+// products use the skinny GEMM (cpu_gemm.h, through cpu_skinny.h), whose rows never depend on their batch.
 //
 // A policy that chooses pages or evicts at decode time by its own code runs in Python between two halves of a layer:
 // decode_layer_in (up to the KV append, returning q) and decode_layer_attend / decode_layer_mlp (attention over its
@@ -20,7 +20,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cpu_gemm.h"
+#include "cpu_skinny.h"
 #include "cpu_page_rule.h"
 #include "cpu_paged.h"
 
@@ -34,37 +34,16 @@ namespace {
 
 using namespace kvh;
 
-// y [B, N] = x [B, K] . w^T (+ bias) in the model dtype, w packed by skinny_pack ([panels, K, panel], or bf16 pairs
-// [panels, K / 2, 2 x panel]).
-template <typename T>
-void product(const T* x, int64_t B, const at::Tensor& w, const at::Tensor& bias, int64_t N, T* y,
-             std::vector<float>& wide) {
-  const int64_t P = gemm_panel();
-  TORCH_CHECK(w.dim() == 3 && (w.size(2) == P || w.size(2) == 2 * P) && N <= w.size(0) * P,
-              "fused decode: weights must be packed by skinny_pack");
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    if (w.size(2) == 2 * P) {
-      gemm_rows_pairs(x, B, 2 * w.size(1), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, N, y);
-      return;
-    }
-  }
-  TORCH_CHECK(w.size(2) == P, "fused decode: a bf16-pair weight for an fp32 model");
-  const int64_t K = w.size(1);
-  wide.resize(static_cast<size_t>(B * K));
-  for (int64_t i = 0; i < B * K; ++i) wide[i] = to_float(x[i]);
-  gemm_rows(wide.data(), B, K, ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, N, y);
-}
-
 // h += delta; q, k, v = rope(norm(h) . Wqkv); K/V appended. Returns q [B, Hq, D].
 template <typename T>
 at::Tensor layer_in(at::Tensor& h, const T* delta, const at::Tensor& ln1, const at::Tensor& wqkv,
                     const at::Tensor& bqkv, const at::Tensor& cos, const at::Tensor& sin, const Storage& st,
-                    int64_t layer, int64_t Hq, double eps, std::vector<float>& wide) {
+                    int64_t layer, int64_t Hq, double eps) {
   const int64_t B = h.size(0), H = h.size(1), D = st.D, width = (Hq + 2 * st.Hkv) * D;
   at::Tensor x = at::empty_like(h);
   add_rms_norm_rows<T>(ptr<T>(h), delta, ptr<T>(ln1), ptr<T>(x), B, H, static_cast<float>(eps));
   at::Tensor qkv = at::empty({B, width}, h.options());
-  product<T>(ptr<T>(x), B, wqkv, bqkv, width, ptr<T>(qkv), wide);
+  skinny_rows(ptr<T>(x), B, wqkv, bqkv, width, ptr<T>(qkv));
   rope_rows<T>(ptr<T>(qkv), ptr<T>(cos), ptr<T>(sin), B, Hq + st.Hkv, D, width);
   append_kv<T>(st, layer, ptr<T>(qkv) + Hq * D, ptr<T>(qkv) + (Hq + st.Hkv) * D, B, width);
   return qkv.narrow(1, 0, Hq * D).contiguous().view({B, Hq, D});
@@ -73,18 +52,18 @@ at::Tensor layer_in(at::Tensor& h, const T* delta, const at::Tensor& ln1, const 
 // h += attn . Wo; returns the MLP's output (the next layer's delta): down(silu(gate) * up) of norm(h).
 template <typename T>
 at::Tensor layer_mlp(at::Tensor& h, const at::Tensor& attn, const at::Tensor& wo, const at::Tensor& ln2,
-                     const at::Tensor& wgu, const at::Tensor& wdown, int64_t I, double eps, std::vector<float>& wide) {
+                     const at::Tensor& wgu, const at::Tensor& wdown, int64_t I, double eps) {
   const int64_t B = h.size(0), H = h.size(1);
   at::Tensor o = at::empty_like(h);
-  product<T>(ptr<T>(attn), B, wo, at::Tensor(), H, ptr<T>(o), wide);
+  skinny_rows(ptr<T>(attn), B, wo, at::Tensor(), H, ptr<T>(o));
   at::Tensor x = at::empty_like(h);
   add_rms_norm_rows<T>(ptr<T>(h), ptr<T>(o), ptr<T>(ln2), ptr<T>(x), B, H, static_cast<float>(eps));
   at::Tensor gu = at::empty({B, 2 * I}, h.options());
-  product<T>(ptr<T>(x), B, wgu, at::Tensor(), 2 * I, ptr<T>(gu), wide);
+  skinny_rows(ptr<T>(x), B, wgu, at::Tensor(), 2 * I, ptr<T>(gu));
   at::Tensor gated = at::empty({B, I}, h.options());
   silu_mul_rows<T>(ptr<T>(gu), ptr<T>(gated), B, I);
   at::Tensor delta = at::empty_like(h);
-  product<T>(ptr<T>(gated), B, wdown, at::Tensor(), H, ptr<T>(delta), wide);
+  skinny_rows(ptr<T>(gated), B, wdown, at::Tensor(), H, ptr<T>(delta));
   return delta;
 }
 
@@ -104,12 +83,11 @@ at::Tensor decode_layer_in(at::Tensor h, const c10::optional<at::Tensor>& delta,
                            double eps) {
   check_rows(h, delta);
   Storage st(k_pool, v_pool, block_table, num_tokens, kmin, kmax, slots);
-  std::vector<float> wide;
   at::Tensor q;
   by_dtype(h, [&](auto tag) {
     using T = decltype(tag);
     q = layer_in<T>(h, delta.has_value() ? ptr<T>(*delta) : nullptr, ln1, wqkv, opt(bqkv), cos, sin, st, layer,
-                    num_q_heads, eps, wide);
+                    num_q_heads, eps);
   });
   return q;
 }
@@ -143,10 +121,9 @@ at::Tensor decode_layer_attend(const at::Tensor& q, const c10::optional<at::Tens
 at::Tensor decode_layer_mlp(at::Tensor h, const at::Tensor& attn, const at::Tensor& wo, const at::Tensor& ln2,
                             const at::Tensor& wgu, const at::Tensor& wdown, int64_t intermediate, double eps) {
   check_rows(h, c10::nullopt);
-  std::vector<float> wide;
   at::Tensor delta;
   by_dtype(h, [&](auto tag) {
-    delta = layer_mlp<decltype(tag)>(h, attn.contiguous(), wo, ln2, wgu, wdown, intermediate, eps, wide);
+    delta = layer_mlp<decltype(tag)>(h, attn.contiguous(), wo, ln2, wgu, wdown, intermediate, eps);
   });
   return delta;
 }
@@ -181,7 +158,6 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
   // every check before the first layer changes the cache: a bad rule fails with nothing appended
   const PageRule rule = page_rule(st, h.size(0), num_q_heads, first, last, chosen, rule_layers, rule_heads, rule_k,
                                   rule_width, rule_ranked, keep_last, rule_held, rule_held_widths, rule_scored, slots);
-  std::vector<float> wide;
   at::Tensor d = delta.has_value() ? *delta : at::Tensor();
   by_dtype(h, [&](auto tag) {
     using T = decltype(tag);
@@ -189,11 +165,11 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
       const at::Tensor* w = weights.data() + 7 * (layer - first);
       const at::Tensor bias = w[2].numel() ? w[2] : at::Tensor();
       at::Tensor q = layer_in<T>(h, d.defined() ? ptr<T>(d) : nullptr, w[0], w[1], bias, cos, sin, st, layer,
-                                 num_q_heads, eps, wide);
+                                 num_q_heads, eps);
       if (queries.has_value()) queries->select(0, layer).copy_(q);
       const at::Tensor sel = rule.covers(layer, first) ? rule.choose(q, st, layer, first) : at::Tensor();
       d = layer_mlp<T>(h, attend_pages<T>(q, sel, st, layer, scale, windows[layer - first]), w[3], w[4], w[5], w[6],
-                       intermediate, eps, wide);
+                       intermediate, eps);
     }
   });
   return d;
@@ -203,14 +179,13 @@ at::Tensor decode_layers(at::Tensor h, const c10::optional<at::Tensor>& delta, a
 at::Tensor decode_logits(at::Tensor h, const c10::optional<at::Tensor>& delta, const at::Tensor& norm,
                          const at::Tensor& lm_head, int64_t vocab, double eps) {
   check_rows(h, delta);
-  std::vector<float> wide;
   at::Tensor logits = at::empty({h.size(0), vocab}, h.options());
   by_dtype(h, [&](auto tag) {
     using T = decltype(tag);
     at::Tensor x = at::empty_like(h);
     add_rms_norm_rows<T>(ptr<T>(h), delta.has_value() ? ptr<T>(*delta) : nullptr, ptr<T>(norm), ptr<T>(x),
                          h.size(0), h.size(1), static_cast<float>(eps));
-    product<T>(ptr<T>(x), h.size(0), lm_head, at::Tensor(), vocab, ptr<T>(logits), wide);
+    skinny_rows(ptr<T>(x), h.size(0), lm_head, at::Tensor(), vocab, ptr<T>(logits));
   });
   return logits;
 }

@@ -18,6 +18,7 @@
 
 #include "cpu_common.h"
 #include "cpu_gemm.h"
+#include "cpu_skinny.h"
 
 // Every accumulation is an explicit fused multiply-add and nothing else may be contracted: the compiler would
 // otherwise be free to fuse in one tile shape and not in another, and a row's bits would depend on its tile.
@@ -91,9 +92,8 @@ void panel_range(const float* x, int64_t M, int64_t K, const TW* packed, const f
 template <typename TW, typename TO>
 void gemm_rows_impl(const float* x, int64_t M, int64_t K, const TW* packed, const TW* bias, int64_t N, TO* y) {
   if (M <= 0 || N <= 0) return;
-  std::vector<float> bias_f(bias ? N : 0);
-  for (int64_t n = 0; n < static_cast<int64_t>(bias_f.size()); ++n) bias_f[n] = to_float(bias[n]);
-  const float* b = bias ? bias_f.data() : nullptr;
+  thread_local std::vector<float> bias_buf;
+  const float* b = float_bias(bias, N, bias_buf);
   const int64_t panels = (N + kPanel - 1) / kPanel, tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
   parallel_tasks(tasks, [&](auto next) {
     for (int64_t t; (t = next()) < tasks;)
@@ -139,6 +139,75 @@ namespace {
 template <typename T>
 T* raw(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
+}  // namespace
+
+namespace kvh {
+namespace {
+
+bool holds_pairs(const at::Tensor& packed) {
+  return packed.size(2) == 2 * kPanel && packed.scalar_type() == at::kBFloat16;
+}
+
+void check_packed(const at::Tensor& packed, const at::Tensor& bias, int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() &&
+              (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kFloat) &&
+              (packed.size(2) == kPanel || holds_pairs(packed)),
+              "skinny GEMM: the weight must be packed by skinny_pack on this machine");
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "skinny GEMM: n does not match the packed weight");
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == packed.scalar_type() && bias.numel() == N &&
+                                  bias.is_contiguous()), "skinny GEMM: bias [n] contiguous, in the weight's dtype");
+}
+
+// y in the weight's dtype (TY: uint16_t for bf16), x in it or fp32.
+template <typename TX, typename TY>
+void rows_any(const TX* x, int64_t M, const at::Tensor& packed, const at::Tensor& bias, int64_t N, TY* y) {
+  check_packed(packed, bias, N);
+  constexpr bool kFloatOut = std::is_same_v<TY, float>;
+  TORCH_CHECK(packed.scalar_type() == (kFloatOut ? at::kFloat : at::kBFloat16),
+              "skinny GEMM: rows in the weight's dtype (or fp32) and the output in the weight's dtype");
+  const int64_t K = skinny_k(packed);
+  const TY* b = bias.defined() ? static_cast<const TY*>(bias.data_ptr()) : nullptr;
+  if constexpr (!kFloatOut) {
+    if (holds_pairs(packed)) {
+      gemm_rows_pairs(x, M, K, raw<uint16_t>(packed), b, N, y);
+      return;
+    }
+  }
+  const float* xf = nullptr;
+  if constexpr (std::is_same_v<TX, float>) {
+    xf = x;
+  } else {   // the panel layout's chains take fp32 rows
+    thread_local std::vector<float> wide;
+    wide.resize(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) wide[i] = to_float(x[i]);
+    xf = wide.data();
+  }
+  gemm_rows(xf, M, K, raw<TY>(packed), b, N, y);
+}
+
+}  // namespace
+
+int64_t skinny_k(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 3, "skinny GEMM: the weight must be packed by skinny_pack on this machine");
+  return holds_pairs(packed) ? 2 * packed.size(1) : packed.size(1);
+}
+void skinny_rows(const uint16_t* x, int64_t M, const at::Tensor& packed, const at::Tensor& bias, int64_t N,
+                 uint16_t* y) {
+  rows_any(x, M, packed, bias, N, y);
+}
+void skinny_rows(const float* x, int64_t M, const at::Tensor& packed, const at::Tensor& bias, int64_t N,
+                 uint16_t* y) {
+  rows_any(x, M, packed, bias, N, y);
+}
+void skinny_rows(const float* x, int64_t M, const at::Tensor& packed, const at::Tensor& bias, int64_t N, float* y) {
+  rows_any(x, M, packed, bias, N, y);
+}
+
+}  // namespace kvh
+
+namespace {
+
 // w [N, K] in the panel layout [ceil(N / panel), K, panel] (zero-padded) that skinny_linear reads, or in bf16 pairs
 // [ceil(N / panel), K / 2, 2 x panel] where they fit (kvh::gemm_pairs_fit).
 at::Tensor skinny_pack(const at::Tensor& w) {
@@ -160,36 +229,20 @@ at::Tensor skinny_pack(const at::Tensor& w) {
 // y [M, n] = x . w^T (+ bias) in w's dtype, w packed by skinny_pack; every row computed alone (see cpu_gemm.h).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                          int64_t n) {
-  const int64_t P = kvh::gemm_panel();
-  const bool pairs = packed.dim() == 3 && packed.size(2) == 2 * P && packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(packed.dim() == 3 && (packed.size(2) == P || pairs) && packed.is_contiguous() &&
-              (packed.scalar_type() == at::kBFloat16 || packed.scalar_type() == at::kFloat),
-              "skinny_linear: w packed by skinny_pack on this machine");
-  const int64_t K = pairs ? 2 * packed.size(1) : packed.size(1);
+  const int64_t K = kvh::skinny_k(packed);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "skinny_linear: x [M, K] with the packed weight's K");
-  TORCH_CHECK(n > (packed.size(0) - 1) * P && n <= packed.size(0) * P, "skinny_linear: n does not match the packed "
-              "weight");
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == packed.scalar_type() && b.numel() == n, "skinny_linear: bias [n] like w");
-  }
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   at::Tensor y = at::empty({x.size(0), n}, packed.options());
-  const uint16_t* bias_bits = b.defined() && pairs ? raw<uint16_t>(b) : nullptr;
-  if (pairs && x.scalar_type() == at::kBFloat16) {
+  if (packed.scalar_type() != at::kBFloat16) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    kvh::skinny_rows(xf.data_ptr<float>(), x.size(0), packed, b, n, y.data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16) {
     const at::Tensor xc = x.contiguous();
-    kvh::gemm_rows_pairs(raw<uint16_t>(xc), x.size(0), K, raw<uint16_t>(packed), bias_bits, n, raw<uint16_t>(y));
-    return y;
+    kvh::skinny_rows(raw<uint16_t>(xc), x.size(0), packed, b, n, raw<uint16_t>(y));
+  } else {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    kvh::skinny_rows(xf.data_ptr<float>(), x.size(0), packed, b, n, raw<uint16_t>(y));
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  if (pairs)
-    kvh::gemm_rows_pairs(xf.data_ptr<float>(), x.size(0), K, raw<uint16_t>(packed), bias_bits, n, raw<uint16_t>(y));
-  else if (packed.scalar_type() == at::kBFloat16)
-    kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), x.size(1), raw<uint16_t>(packed),
-                   b.defined() ? raw<uint16_t>(b) : nullptr, n, raw<uint16_t>(y));
-  else
-    kvh::gemm_rows(xf.data_ptr<float>(), x.size(0), x.size(1), raw<float>(packed),
-                   b.defined() ? raw<float>(b) : nullptr, n, raw<float>(y));
   return y;
 }
 

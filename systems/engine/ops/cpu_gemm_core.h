@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -85,6 +86,16 @@ inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite
 // Every cache line of a panel row is prefetched this far ahead: the hardware prefetcher alone, or one line per
 // 128-byte bf16 row, streamed a 3072-row gate/up product at 23 GB/s on a 33 GB/s machine (both lines, 2 KiB: 31).
 constexpr int kPrefetchBytes = 2048;
+
+// bias [N] widened to fp32 in buf, which each caller keeps per thread so a decode step's ~200 products allocate
+// nothing; nullptr without a bias. Needs cpu_common.h's to_float, included before this header.
+template <typename TB>
+inline const float* float_bias(const TB* bias, int64_t N, std::vector<float>& buf) {
+  if (!bias) return nullptr;
+  buf.resize(static_cast<size_t>(N));
+  for (int64_t n = 0; n < N; ++n) buf[n] = to_float(bias[n]);
+  return buf.data();
+}
 
 // Rows [0, M) in tiles of kMaxRows, the tail in one smaller tile: tile(std::integral_constant<int, MR>{}, m).
 template <typename Tile>

@@ -26,9 +26,12 @@ namespace {
 // where a decode step's rows make the product compute-bound (4 rows and more), up to twice as fast.
 constexpr uint32_t kMinPairExponent = 127 - 56;   // biased exponent of 2^-56
 
-inline bool pair_factor(uint16_t b) {   // 0, or finite and at least 2^-56 in magnitude
-  const uint32_t e = (b >> 7) & 0xFFu;
-  return (b & 0x7FFFu) == 0 || (e >= kMinPairExponent && e != 0xFFu);
+// 1 where a bf16 is 0 (either sign) or finite and at least 2^-56 in magnitude, else 0; branch-free so the loops
+// over a call's activations vectorize (done on the calling thread before the product, per call).
+inline uint32_t pair_factor(uint32_t b) {
+  const uint32_t mag = b & 0x7FFFu, e = mag >> 7;
+  return static_cast<uint32_t>(mag == 0) |
+         (static_cast<uint32_t>(e >= kMinPairExponent) & static_cast<uint32_t>(e != 0xFFu));
 }
 
 // Panel row k2 of a pair panel: output j's weights for k = 2 k2 (high half) and 2 k2 + 1 (low half) in dword j.
@@ -45,27 +48,31 @@ void pack_pairs_impl(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed) 
 }
 
 // x's rows as dwords of bf16 pairs in the weights' order (k high, k + 1 low); false where a value is not a bf16 that
-// pair_factor accepts.
+// pair_factor accepts. A little-endian dword of x holds k low and k + 1 high: the halves swap.
 inline bool pair_rows(const uint16_t* x, int64_t count, uint32_t* pairs) {
-  bool fits = true;
+  uint32_t fits = 1;
+  for (int64_t i = 0; i < 2 * count; ++i) fits &= pair_factor(x[i]);
   for (int64_t i = 0; i < count; ++i) {
-    const uint16_t first = x[2 * i], second = x[2 * i + 1];
-    fits &= pair_factor(first) & pair_factor(second);
-    pairs[i] = (static_cast<uint32_t>(first) << 16) | second;
+    uint32_t d;
+    std::memcpy(&d, x + 2 * i, 4);
+    pairs[i] = (d << 16) | (d >> 16);
   }
-  return fits;
+  return fits != 0;
 }
 inline bool pair_rows(const float* x, int64_t count, uint32_t* pairs) {
-  bool fits = true;
+  uint32_t fits = 1;
+  for (int64_t i = 0; i < 2 * count; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    fits &= static_cast<uint32_t>((u & 0xFFFFu) == 0) & pair_factor(u >> 16);
+  }
   for (int64_t i = 0; i < count; ++i) {
     uint32_t a, b;
     std::memcpy(&a, x + 2 * i, 4);
     std::memcpy(&b, x + 2 * i + 1, 4);
-    fits &= (((a | b) & 0xFFFFu) == 0) & pair_factor(static_cast<uint16_t>(a >> 16)) &
-            pair_factor(static_cast<uint16_t>(b >> 16));
     pairs[i] = (a & 0xFFFF0000u) | (b >> 16);
   }
-  return fits;
+  return fits != 0;
 }
 
 // The FMA chain over a pair panel, for calls whose activations pair_rows refused (rare: no need to be fast).
@@ -138,15 +145,20 @@ template <typename TX>
 void pairs_impl(const TX* x, int64_t M, int64_t K, const uint16_t* packed, const uint16_t* bias, int64_t N,
                 uint16_t* y) {
   if (M <= 0 || N <= 0) return;
-  std::vector<float> bias_f(bias ? N : 0);
-  for (int64_t n = 0; n < static_cast<int64_t>(bias_f.size()); ++n) bias_f[n] = to_float(bias[n]);
-  const float* b = bias ? bias_f.data() : nullptr;
+  // The calling thread's buffers, kept across calls. The workers below reach them through these pointers only: a
+  // thread_local named inside the parallel region would be each worker's own (empty) copy.
+  thread_local std::vector<float> bias_buf, wide_buf;
+  thread_local std::vector<uint32_t> pairs_buf;
+  const float* b = float_bias(bias, N, bias_buf);
   const int64_t K2 = K / 2, panels = (N + kPanel - 1) / kPanel;
-  std::vector<uint32_t> pairs(static_cast<size_t>(M * K2));
-  std::vector<float> wide;
-  if (!pair_rows(x, M * K2, pairs.data())) {
-    wide.resize(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) wide[i] = to_float(x[i]);
+  pairs_buf.resize(static_cast<size_t>(M * K2));
+  const uint32_t* pairs = pairs_buf.data();
+  const bool chain = !pair_rows(x, M * K2, pairs_buf.data());
+  const float* wide = nullptr;
+  if (chain) {
+    wide_buf.resize(static_cast<size_t>(M * K));
+    for (int64_t i = 0; i < M * K; ++i) wide_buf[i] = to_float(x[i]);
+    wide = wide_buf.data();
   }
   parallel_tasks(panels, [&](auto next) {
     for (int64_t p; (p = next()) < panels;) {
@@ -154,13 +166,13 @@ void pairs_impl(const TX* x, int64_t M, int64_t K, const uint16_t* packed, const
       const int64_t n0 = p * kPanel;
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
       const float* bp = b ? b + n0 : nullptr;
-      if (!wide.empty()) {
-        for (int64_t m = 0; m < M; ++m) pair_chain_tile(wide.data() + m * K, K, panel, bp, y + m * N + n0, cols);
+      if (chain) {
+        for (int64_t m = 0; m < M; ++m) pair_chain_tile(wide + m * K, K, panel, bp, y + m * N + n0, cols);
         continue;
       }
 #if defined(__AVX512BF16__)
       row_tiles(M, [&](auto mr, int64_t m) {
-        pair_rows_tile<uint16_t, decltype(mr)::value>(pairs.data() + m * K2, K2, panel, bp, y + m * N + n0, N, cols);
+        pair_rows_tile<uint16_t, decltype(mr)::value>(pairs + m * K2, K2, panel, bp, y + m * N + n0, N, cols);
       });
 #endif
     }
