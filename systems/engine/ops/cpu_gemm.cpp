@@ -93,7 +93,7 @@ template <typename TW, typename TO>
 void gemm_rows_impl(const float* x, int64_t M, int64_t K, const TW* packed, const TW* bias, int64_t N, TO* y) {
   if (M <= 0 || N <= 0) return;
   thread_local std::vector<float> bias_buf;
-  const float* b = float_bias(bias, N, bias_buf);
+  const float* b = widened(bias, N, bias_buf);
   const int64_t panels = (N + kPanel - 1) / kPanel, tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
   parallel_tasks(tasks, [&](auto next) {
     for (int64_t t; (t = next()) < tasks;)
@@ -179,9 +179,7 @@ void rows_any(const TX* x, int64_t M, const at::Tensor& packed, const at::Tensor
     xf = x;
   } else {   // the panel layout's chains take fp32 rows
     thread_local std::vector<float> wide;
-    wide.resize(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) wide[i] = to_float(x[i]);
-    xf = wide.data();
+    xf = widened(x, M * K, wide);
   }
   gemm_rows(xf, M, K, raw<TY>(packed), b, N, y);
 }

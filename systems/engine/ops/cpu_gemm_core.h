@@ -87,13 +87,14 @@ inline void gemm_store(uint16_t* p, float x) {  // round to nearest even (finite
 // 128-byte bf16 row, streamed a 3072-row gate/up product at 23 GB/s on a 33 GB/s machine (both lines, 2 KiB: 31).
 constexpr int kPrefetchBytes = 2048;
 
-// bias [N] widened to fp32 in buf, which each caller keeps per thread so a decode step's ~200 products allocate
-// nothing; nullptr without a bias. Needs cpu_common.h's to_float, included before this header.
-template <typename TB>
-inline const float* float_bias(const TB* bias, int64_t N, std::vector<float>& buf) {
-  if (!bias) return nullptr;
-  buf.resize(static_cast<size_t>(N));
-  for (int64_t n = 0; n < N; ++n) buf[n] = to_float(bias[n]);
+// values[0, count) widened to fp32 in buf (a bias, or activation rows for an FMA chain), which each caller keeps per
+// thread so a decode step's ~200 products allocate nothing; nullptr for no values. Needs cpu_common.h's to_float,
+// included before this header.
+template <typename T>
+inline const float* widened(const T* values, int64_t count, std::vector<float>& buf) {
+  if (!values) return nullptr;
+  buf.resize(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) buf[i] = to_float(values[i]);
   return buf.data();
 }
 

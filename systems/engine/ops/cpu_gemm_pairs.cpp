@@ -149,17 +149,12 @@ void pairs_impl(const TX* x, int64_t M, int64_t K, const uint16_t* packed, const
   // thread_local named inside the parallel region would be each worker's own (empty) copy.
   thread_local std::vector<float> bias_buf, wide_buf;
   thread_local std::vector<uint32_t> pairs_buf;
-  const float* b = float_bias(bias, N, bias_buf);
+  const float* b = widened(bias, N, bias_buf);
   const int64_t K2 = K / 2, panels = (N + kPanel - 1) / kPanel;
   pairs_buf.resize(static_cast<size_t>(M * K2));
   const uint32_t* pairs = pairs_buf.data();
   const bool chain = !pair_rows(x, M * K2, pairs_buf.data());
-  const float* wide = nullptr;
-  if (chain) {
-    wide_buf.resize(static_cast<size_t>(M * K));
-    for (int64_t i = 0; i < M * K; ++i) wide_buf[i] = to_float(x[i]);
-    wide = wide_buf.data();
-  }
+  const float* wide = chain ? widened(x, M * K, wide_buf) : nullptr;
   parallel_tasks(panels, [&](auto next) {
     for (int64_t p; (p = next()) < panels;) {
       const uint16_t* panel = packed + p * K * kPanel;
