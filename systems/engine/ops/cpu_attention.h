@@ -90,14 +90,25 @@ inline void chunk_dots_bf16(const __m512bh (*qv)[D / 32], int G_, const uint16_t
   }
 }
 
+// Rows [t0, t1) of a page's K and V (k, v: its first row) into L2, one cache line (32 bf16) at a time.
+template <int D>
+inline void prefetch_rows(const uint16_t* k, const uint16_t* v, int t0, int t1) {
+  for (int t = t0; t < t1; ++t)
+    for (int off = 0; off < D; off += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(k + static_cast<int64_t>(t) * D + off), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(v + static_cast<int64_t>(t) * D + off), _MM_HINT_T1);
+    }
+}
+
 // bf16 pools on CPUs with AVX512-BF16, 16 tokens at a time: q.k by vdpbf16ps straight from the stored page (the
 // 16 dot products reduced together by sum16), softmax update on one register, p.v by fp32 FMAs. One split of a
 // row: its pages [j0, j1) -> part = {running max [G], sum [G], accumulator [G, D] not yet divided by the sum}.
 // GN > 0: the group size fixed at compile time (the common ones, see run_bf16), so the loops over query heads
-// unroll and the p.v accumulators stay in registers through the token loop. With a runtime G they went through
-// memory at every token, and with the next page prefetched all at once the kernel read KV at 11-14 GB/s on 2 cores
-// of a 28-33 GB/s machine; both mended, 20-21 GB/s (SmolLM2's heads, 1k and 4k tokens, batch 1 and 4). Same
-// operations in the same order either way: the same bits.
+// unroll and the p.v accumulators can stay in registers through the token loop (G x D/16 of them beside D/16
+// values: all of them up to G = 6 at D = 64 and G = 3 at D = 128; beyond, some spill). With a runtime G they went
+// through memory at every token, and with the next page prefetched all at once the kernel read KV at 11-14 GB/s on
+// 2 cores of a 28-33 GB/s machine; both mended, 20-21 GB/s (SmolLM2: G = 3, D = 64; 1k and 4k tokens, batch 1
+// and 4). Same operations in the same order either way: the same bits.
 template <int D, int GN, typename Pages>
 void attend_split_bf16(const uint16_t* q, int G_, float scale, const uint16_t* k_pool, const uint16_t* v_pool,
                        const Pages& list, int64_t j0, int64_t j1, float* part) {
@@ -124,8 +135,9 @@ void attend_split_bf16(const uint16_t* q, int G_, float scale, const uint16_t* k
     token = next_token;
     valid = next_valid;
     // the next page is a scattered block, beyond the hardware prefetcher: each token read here prefetches the
-    // same token's K and V rows of the next page, so the prefetches stay spread over the page's work (issued all
-    // at once they filled the miss buffers and stalled the loads of this page)
+    // same token's K and V rows of the next page (its rows past this page's last after them), so the prefetches
+    // stay spread over the page's work; issued all at once they filled the miss buffers and stalled this page's
+    // loads
     const uint16_t* next_k = nullptr;
     const uint16_t* next_v = nullptr;
     if (j + 1 < j1) {
@@ -135,7 +147,10 @@ void attend_split_bf16(const uint16_t* q, int G_, float scale, const uint16_t* k
         next_v = v_pool + next_token * D;
       }
     }
-    if (valid <= 0) continue;
+    if (valid <= 0) {  // nothing to read here (padding, or a page before a window): the next page all at once
+      prefetch_rows<D>(next_k, next_v, 0, next_k ? next_valid : 0);
+      continue;
+    }
     const int64_t base = token * D;
     for (int c0 = 0; c0 < valid; c0 += 16) {
       const int nc = std::min(16, valid - c0);
@@ -160,13 +175,7 @@ void attend_split_bf16(const uint16_t* q, int G_, float scale, const uint16_t* k
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NV; ++c) r[g][c] = acc[g][c];
       for (int t = 0; t < nc; ++t) {
-        if (next_k != nullptr) {
-          const int64_t row = static_cast<int64_t>(c0 + t) * D;
-          for (int off = 0; off < D; off += 32) {  // 32 bf16: one cache line
-            _mm_prefetch(reinterpret_cast<const char*>(next_k + row + off), _MM_HINT_T1);
-            _mm_prefetch(reinterpret_cast<const char*>(next_v + row + off), _MM_HINT_T1);
-          }
-        }
+        if (next_k != nullptr && c0 + t < next_valid) prefetch_rows<D>(next_k, next_v, c0 + t, c0 + t + 1);
         __m512 vv[NV];
         for (int c = 0; c < NV; ++c)
           vv[c] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + t * D + c * 16)));
@@ -178,6 +187,7 @@ void attend_split_bf16(const uint16_t* q, int G_, float scale, const uint16_t* k
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < NV; ++c) acc[g][c] = r[g][c];
     }
+    if (next_k != nullptr) prefetch_rows<D>(next_k, next_v, valid, next_valid);  // rows past this page's last
   }
   for (int g = 0; g < G; ++g) {
     part[g] = m[g];
@@ -298,8 +308,9 @@ void run_generic(const float* q, const T* k, const T* v, const Listing& ls, int6
 
 #ifdef KVH_HAVE_AVX512_BF16
 // Tokens of pages per split of the bf16 kernel: a split's first page is read without a prefetch, so splits of the
-// portable kernel's 256 tokens made batch >= 4 steps 5-40 % slower; at 512, batch 1 at 4k is 20 % faster than
-// unsplit rows and larger batches are unchanged (2 AVX512-BF16 cores). Rows up to 512 tokens are one split.
+// portable kernel's 256 tokens made batch >= 4 steps 5-40 % slower; at 512, batch 1 at 4k was 20 % faster than
+// unsplit rows and larger batches unchanged (2 AVX512-BF16 cores, measured before the kernel's prefetch went row
+// by row). Rows up to 512 tokens are one split.
 constexpr int kSplitTokensBf16 = 512;
 template <int D, int GN>
 void run_bf16_group(const uint16_t* q, int G, float scale, const uint16_t* k, const uint16_t* v, const Listing& ls,
